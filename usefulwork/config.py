@@ -1,0 +1,235 @@
+"""Typed configuration: a YAML file plus environment overrides, validated once at start.
+
+An error names the bad field and the file it came from (``ConfigError``).
+
+Environment overrides use the prefix ``USEFULWORK__`` and ``__`` between path parts; values are
+parsed as YAML so numbers, booleans and lists work::
+
+    USEFULWORK__LISTEN__PORT=9000
+    USEFULWORK__SLO__TTFT_MS=800
+    USEFULWORK__POOLS__0__REPLICAS='["http://10.0.0.5:8000"]'
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+ENV_PREFIX = "USEFULWORK__"
+
+
+class ConfigError(ValueError):
+    """Raised for a config that cannot be used; the message names the field and the source."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Listen(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+
+
+class Limits(_Strict):
+    max_body_bytes: int = Field(4 * 1024 * 1024, gt=0, description="Larger request bodies get 413.")
+
+
+class Timeouts(_Strict):
+    connect_s: float = Field(5.0, gt=0, description="TCP connect to a replica.")
+    first_byte_s: float = Field(120.0, gt=0, description="Wait for the upstream's response headers.")
+    read_s: float = Field(600.0, gt=0, description="Gap allowed between two upstream chunks.")
+    health_interval_s: float = Field(2.0, gt=0, description="Health check and /metrics scrape period.")
+    retry_after_down_s: float = Field(5.0, gt=0, description="How long a failed replica stays down before re-probing.")
+
+
+class SLO(_Strict):
+    """Latency objectives a request must meet to count as good (useful) work."""
+
+    ttft_ms: float = Field(2000.0, gt=0)
+    tpot_ms: float = Field(200.0, gt=0)
+    e2e_ms: float = Field(30000.0, gt=0)
+
+
+class GPU(_Strict):
+    type: str = "cpu"
+    count: int = Field(1, ge=1)
+    usd_per_hour: float = Field(0.0, ge=0, description="Price of ONE GPU per hour.")
+
+
+class Prices(_Strict):
+    """Optional price sheet ($ per 1M tokens); None means: cost from GPU time only."""
+
+    input_per_1m: float | None = Field(None, ge=0)
+    output_per_1m: float | None = Field(None, ge=0)
+    cached_input_per_1m: float | None = Field(None, ge=0)
+
+
+class Pool(_Strict):
+    name: str = Field(..., min_length=1)
+    models: list[str] = Field(..., min_length=1, description="Model names this pool serves (as clients send them).")
+    replicas: list[str] = Field(..., min_length=1, description="Base URLs of vLLM OpenAI servers, e.g. http://h:8000")
+    gpu: GPU = GPU()
+    prices: Prices = Prices()
+
+    @field_validator("replicas")
+    @classmethod
+    def _urls(cls, v: list[str]) -> list[str]:
+        out = []
+        for url in v:
+            if not (url.startswith("http://") or url.startswith("https://")):
+                raise ValueError(f"replica URL must start with http:// or https://, got {url!r}")
+            out.append(url.rstrip("/").removesuffix("/v1"))
+        return out
+
+    @property
+    def usd_per_hour(self) -> float:
+        return self.gpu.count * self.gpu.usd_per_hour
+
+
+class LocalFleet(_Strict):
+    """The embedded default fleet: one local vLLM server started by `usefulwork serve`."""
+
+    model_name: str = "smollm2-135m-instruct"
+    port: int = Field(8000, ge=1, le=65535)
+    kv_cache_gib: int = Field(2, ge=1)
+    max_model_len: int = Field(2048, ge=64)
+    extra_args: list[str] = Field(default_factory=list, description="Extra vLLM server flags.")
+    gpu: GPU = GPU(type="cpu-2core", count=1, usd_per_hour=0.10)
+
+
+class LedgerCfg(_Strict):
+    jsonl_path: str | None = Field(None, description="Append-only JSONL file of request records.")
+    redis_url: str | None = Field(None, description="Redis URL for the ledger stream, e.g. redis://127.0.0.1:6379/0")
+    redis_stream: str = "usefulwork:ledger"
+    flush_interval_s: float = Field(0.5, gt=0)
+    batch_size: int = Field(256, ge=1)
+
+
+class CostCfg(_Strict):
+    prefill_weight: float = Field(1.0, ge=0, description="GPU-time share weight of one prompt token.")
+    decode_weight: float = Field(1.0, ge=0, description="GPU-time share weight of one generated token.")
+    interval_s: float = Field(1.0, gt=0, description="Attribution interval for GPU-time cost.")
+
+
+class Telemetry(_Strict):
+    otlp_endpoint: str | None = Field(None, description="OTLP/HTTP endpoint, e.g. http://collector:4318")
+    service_name: str = "usefulwork"
+    export_interval_s: float = Field(10.0, gt=0)
+    record_prompts: bool = Field(False, description="Put prompt text on spans (off: privacy by default).")
+
+
+class Config(_Strict):
+    listen: Listen = Listen()
+    limits: Limits = Limits()
+    timeouts: Timeouts = Timeouts()
+    slo: SLO = SLO()
+    pools: list[Pool] = Field(default_factory=list)
+    local_fleet: LocalFleet | None = None
+    ledger: LedgerCfg = LedgerCfg()
+    cost: CostCfg = CostCfg()
+    telemetry: Telemetry = Telemetry()
+    source: str = Field("<defaults>", description="Where this config came from (set by the loader).")
+
+    @model_validator(mode="after")
+    def _unique(self) -> "Config":
+        seen_pools: set[str] = set()
+        seen_models: dict[str, str] = {}
+        for pool in self.pools:
+            if pool.name in seen_pools:
+                raise ValueError(f"pool name {pool.name!r} appears twice")
+            seen_pools.add(pool.name)
+            for m in pool.models:
+                if m in seen_models:
+                    raise ValueError(f"model {m!r} is served by two pools ({seen_models[m]!r} and {pool.name!r})")
+                seen_models[m] = pool.name
+        return self
+
+    def pool_for_model(self, model: str) -> Pool | None:
+        for pool in self.pools:
+            if model in pool.models:
+                return pool
+        return None
+
+    @property
+    def model_names(self) -> list[str]:
+        return [m for p in self.pools for m in p.models]
+
+
+def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
+    node: Any = tree
+    for i, part in enumerate(path):
+        last = i == len(path) - 1
+        if isinstance(node, list):
+            idx = int(part)
+            while len(node) <= idx:
+                node.append({})
+            if last:
+                node[idx] = value
+            else:
+                node = node[idx]
+            continue
+        if last:
+            node[part] = value
+        else:
+            nxt = node.get(part)
+            if nxt is None:
+                nxt = [] if path[i + 1].isdigit() else {}
+                node[part] = nxt
+            node = nxt
+
+
+def apply_env(tree: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
+    for key in sorted(environ):
+        if not key.startswith(ENV_PREFIX):
+            continue
+        path = [p.lower() for p in key[len(ENV_PREFIX):].split("__") if p]
+        if path:
+            _set_path(tree, path, yaml.safe_load(environ[key]))
+    return tree
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "<root>"
+        lines.append(f"{source}: {field}: {e['msg']}")
+    return "invalid configuration\n  " + "\n  ".join(lines)
+
+
+def from_mapping(tree: Mapping[str, Any], source: str = "<mapping>", environ: Mapping[str, str] | None = None) -> Config:
+    data = apply_env(dict(tree), os.environ if environ is None else environ)
+    data["source"] = source
+    try:
+        return Config.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err, source)) from None
+
+
+def load(path: str | os.PathLike[str] | None = None, environ: Mapping[str, str] | None = None) -> Config:
+    """Load and validate a config file (None: defaults plus environment)."""
+    if path is None:
+        return from_mapping({}, "<defaults>", environ)
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read config file: {exc.strerror}") from None
+    try:
+        tree = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: not valid YAML: {exc}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{p}: the top level must be a mapping, got {type(tree).__name__}")
+    return from_mapping(tree, str(p), environ)
+
+
+def with_local_pool(cfg: Config, base_url: str) -> Config:
+    """Return cfg with a pool for the embedded local fleet (used by `usefulwork serve` without --config)."""
+    lf = cfg.local_fleet or LocalFleet()
+    pool = Pool(name="local", models=[lf.model_name], replicas=[base_url], gpu=lf.gpu)
+    return cfg.model_copy(update={"pools": [pool], "local_fleet": lf})

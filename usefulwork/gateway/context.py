@@ -1,0 +1,103 @@
+"""The per-request record that travels through the gateway's steps and ends up in the ledger.
+
+Each step fills in its own fields; nothing else is shared between steps. When the request ends
+(whatever the outcome) the gateway hands the finished context to the ``Accountant``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+Outcome = Literal["ok", "shed", "error", "client_cancelled", "timeout", "rejected"]
+UsageSource = Literal["backend", "estimate", "none"]
+
+
+@dataclass(slots=True)
+class RequestContext:
+    id: str
+    endpoint: str  # "chat" | "completions"
+    model: str  # as the client asked
+    stream: bool
+    tenant: str = "default"
+    include_usage: bool = False  # did the CLIENT ask for stream usage
+    max_tokens: int | None = None
+
+    # routing
+    pool: str | None = None
+    replica: str | None = None
+    route: str | None = None
+    route_reason: str | None = None
+    attempts: int = 0
+
+    # cache
+    cache: str = "miss"  # miss | hit-exact | hit-semantic | bypass
+
+    # usage
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    usage_source: UsageSource = "none"
+
+    # timing (monotonic seconds; wall clock start for records)
+    wall_start: float = field(default_factory=time.time)
+    t_start: float = field(default_factory=time.perf_counter)
+    t_admitted: float | None = None
+    t_first_token: float | None = None
+    t_end: float | None = None
+    chunks: int = 0  # content-bearing SSE events forwarded
+
+    # result
+    status_code: int = 200
+    outcome: Outcome = "ok"
+    error: str | None = None
+    cost_usd: float = 0.0  # price-sheet cost, filled by accounting
+    slo_met: bool | None = None
+
+    # Raw SSE events already sent to the client. Kept only so that a stream cut before usage
+    # arrived can be counted with a tokenizer afterwards (never parsed on the hot path).
+    streamed_events: list[bytes] | None = None
+    # Prompt payload (messages or prompt) for token estimation when the backend never answered.
+    prompt_payload: Any = None
+
+    # -- derived timings, in milliseconds --
+    @property
+    def queue_wait_ms(self) -> float:
+        return 0.0 if self.t_admitted is None else (self.t_admitted - self.t_start) * 1000.0
+
+    @property
+    def e2e_ms(self) -> float | None:
+        return None if self.t_end is None else (self.t_end - self.t_start) * 1000.0
+
+    @property
+    def ttft_ms(self) -> float | None:
+        return None if self.t_first_token is None else (self.t_first_token - self.t_start) * 1000.0
+
+    @property
+    def tpot_ms(self) -> float | None:
+        """(E2E - TTFT) / (completion_tokens - 1), vLLM bench's definition."""
+        if self.t_end is None or self.t_first_token is None or self.completion_tokens < 2:
+            return None
+        return (self.t_end - self.t_first_token) * 1000.0 / (self.completion_tokens - 1)
+
+
+class Accountant(Protocol):
+    """Receives every finished request. ``finish`` must not block: it is called on the event loop."""
+
+    def finish(self, ctx: RequestContext) -> None: ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+class NullAccountant:
+    def finish(self, ctx: RequestContext) -> None:
+        return None
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None

@@ -1,0 +1,1 @@
+"""usefulwork.loadtest."""
