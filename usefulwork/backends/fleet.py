@@ -1,0 +1,200 @@
+"""Live state of the vLLM fleet: replicas, health, and load scraped from each replica's /metrics.
+
+Other steps read this state (routers, admission, accounting); only this module writes it. A
+background loop probes ``/health`` and scrapes ``/metrics`` every ``timeouts.health_interval_s``.
+The proxy reports failures (``mark_down``) so a dead replica leaves rotation at once instead of at
+the next probe; a down replica is re-probed after ``retry_after_down_s`` and comes back on success.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from usefulwork.config import Config, Pool
+
+log = logging.getLogger("usefulwork.fleet")
+
+# vLLM V1 metric names we read (sums over label sets; one engine per server in practice).
+SCRAPED = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+    "vllm:gpu_cache_usage_perc": "kv_usage",  # pre-V1 name
+    "vllm:prefix_cache_queries_total": "prefix_queries",
+    "vllm:prefix_cache_hits_total": "prefix_hits",
+    "vllm:prompt_tokens_total": "prompt_tokens_total",
+    "vllm:generation_tokens_total": "generation_tokens_total",
+}
+
+
+@dataclass(slots=True, eq=False)
+class Replica:
+    url: str  # base URL without /v1
+    pool: str
+    healthy: bool = False  # becomes True after the first successful probe
+    ever_healthy: bool = False
+    down_reason: str | None = None
+    down_until: float = 0.0
+    inflight: int = 0  # requests this gateway has outstanding on it right now
+    consecutive_failures: int = 0
+    # scraped from /metrics
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+    prefix_queries: float = 0.0
+    prefix_hits: float = 0.0
+    prompt_tokens_total: float = 0.0
+    generation_tokens_total: float = 0.0
+    last_scrape: float = 0.0
+
+    @property
+    def load(self) -> float:
+        """Outstanding work: our own in-flight count, or the server's if other clients load it too."""
+        return max(float(self.inflight), self.running + self.waiting)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+
+@dataclass(slots=True, eq=False)
+class PoolState:
+    cfg: Pool
+    replicas: list[Replica]
+    started_at: float = field(default_factory=time.time)
+
+    @property
+    def name(self) -> str:
+        return self.cfg.name
+
+    def healthy_replicas(self) -> list[Replica]:
+        return [r for r in self.replicas if r.healthy]
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Sum the samples of the vLLM metrics we care about (cheap line scan, no full parser)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        end = line.find("{")
+        if end < 0:
+            end = line.find(" ")
+        name = line[:end]
+        attr = SCRAPED.get(name)
+        if attr is None:
+            continue
+        try:
+            value = float(line.rsplit(" ", 1)[1])
+        except (IndexError, ValueError):
+            continue
+        out[attr] = out.get(attr, 0.0) + value
+    return out
+
+
+class Fleet:
+    def __init__(self, cfg: Config, client: httpx.AsyncClient | None = None):
+        self.cfg = cfg
+        self.client = client or httpx.AsyncClient(timeout=httpx.Timeout(5.0))
+        self._own_client = client is None
+        self.pools: dict[str, PoolState] = {
+            p.name: PoolState(p, [Replica(url, p.name) for url in p.replicas]) for p in cfg.pools
+        }
+        self._by_model: dict[str, PoolState] = {m: self.pools[p.name] for p in cfg.pools for m in p.models}
+        self._task: asyncio.Task | None = None
+
+    # -- reads --
+    def pool_for_model(self, model: str) -> PoolState | None:
+        return self._by_model.get(model)
+
+    @property
+    def replicas(self) -> list[Replica]:
+        return [r for p in self.pools.values() for r in p.replicas]
+
+    def ready(self) -> bool:
+        """Every pool has at least one healthy replica."""
+        return bool(self.pools) and all(p.healthy_replicas() for p in self.pools.values())
+
+    def candidates(self, pool: PoolState) -> list[Replica]:
+        """Replicas to try, best first: healthy by least load, then down ones as a last resort."""
+        healthy = [r for r in pool.replicas if r.healthy]
+        healthy.sort(key=lambda r: r.load)
+        if healthy:
+            return healthy
+        # Nothing known healthy (start-up, or all failing): try the ones whose back-off expired.
+        now = time.monotonic()
+        return [r for r in pool.replicas if r.down_until <= now] or list(pool.replicas)
+
+    # -- writes --
+    def mark_down(self, replica: Replica, reason: str) -> None:
+        if replica.healthy:
+            log.warning("replica %s marked down: %s", replica.url, reason)
+        replica.healthy = False
+        replica.down_reason = reason
+        replica.consecutive_failures += 1
+        replica.down_until = time.monotonic() + self.cfg.timeouts.retry_after_down_s
+
+    def mark_up(self, replica: Replica) -> None:
+        if not replica.healthy:
+            log.info("replica %s is up", replica.url)
+        replica.healthy = True
+        replica.ever_healthy = True
+        replica.down_reason = None
+        replica.consecutive_failures = 0
+        replica.down_until = 0.0
+
+    # -- probing --
+    async def probe(self, replica: Replica) -> bool:
+        if not replica.healthy and replica.ever_healthy and time.monotonic() < replica.down_until:
+            return False
+        try:
+            r = await self.client.get(f"{replica.url}/health", timeout=self.cfg.timeouts.connect_s)
+            ok = r.status_code == 200
+        except httpx.HTTPError as exc:
+            ok = False
+            reason = f"health check failed: {type(exc).__name__}"
+        else:
+            reason = f"health check returned {r.status_code}"
+        if not ok:
+            self.mark_down(replica, reason)
+            return False
+        self.mark_up(replica)
+        try:
+            m = await self.client.get(f"{replica.url}/metrics", timeout=self.cfg.timeouts.connect_s)
+            if m.status_code == 200:
+                for attr, value in parse_metrics(m.text).items():
+                    setattr(replica, attr, value)
+                replica.last_scrape = time.time()
+        except httpx.HTTPError:
+            pass  # metrics are best effort; health decides up/down
+        return True
+
+    async def check_once(self) -> None:
+        await asyncio.gather(*(self.probe(r) for r in self.replicas))
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.check_once()
+            except Exception:  # never let the prober die
+                log.exception("fleet probe loop error")
+            await asyncio.sleep(self.cfg.timeouts.health_interval_s)
+
+    async def start(self) -> None:
+        await self.check_once()
+        self._task = asyncio.create_task(self._loop(), name="fleet-prober")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        if self._own_client:
+            await self.client.aclose()
