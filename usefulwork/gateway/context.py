@@ -47,6 +47,7 @@ class RequestContext:
     t_first_token: float | None = None
     t_end: float | None = None
     chunks: int = 0  # content-bearing SSE events forwarded
+    closing: bool = False  # the final response message is being sent: a disconnect now is not a cancel
 
     # result
     status_code: int = 200

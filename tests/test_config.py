@@ -1,0 +1,74 @@
+import pytest
+
+from usefulwork.config import ConfigError, load, with_local_pool
+
+GOOD = """
+listen: {port: 9001}
+slo: {ttft_ms: 500}
+pools:
+  - name: small
+    models: [m-small]
+    replicas: ["http://127.0.0.1:8000/v1/"]
+    gpu: {type: A10G, count: 2, usd_per_hour: 1.5}
+    prices: {input_per_1m: 0.1, output_per_1m: 0.4}
+"""
+
+
+def test_load_valid_file(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text(GOOD)
+    cfg = load(f, environ={})
+    assert cfg.listen.port == 9001
+    assert cfg.slo.ttft_ms == 500
+    pool = cfg.pool_for_model("m-small")
+    assert pool.replicas == ["http://127.0.0.1:8000"]  # trailing /v1/ normalised away
+    assert pool.usd_per_hour == pytest.approx(3.0)
+    assert cfg.source == str(f)
+
+
+def test_env_overrides_nested_and_lists(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text(GOOD)
+    env = {"USEFULWORK__LISTEN__PORT": "9100", "USEFULWORK__POOLS__0__REPLICAS": '["http://h:1", "http://h:2"]',
+           "OTHER": "x"}
+    cfg = load(f, environ=env)
+    assert cfg.listen.port == 9100
+    assert cfg.pools[0].replicas == ["http://h:1", "http://h:2"]
+
+
+@pytest.mark.parametrize("text, field", [
+    ("listen: {port: 70000}", "listen.port"),
+    ("pools: [{name: a, models: [], replicas: ['http://x']}]", "pools.0.models"),
+    ("pools: [{name: a, models: [m], replicas: ['ftp://x']}]", "pools.0.replicas"),
+    ("slo: {ttft_ms: -1}", "slo.ttft_ms"),
+    ("bogus: 1", "bogus"),
+])
+def test_error_names_field_and_file(tmp_path, text, field):
+    f = tmp_path / "bad.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load(f, environ={})
+    assert field in str(e.value)
+    assert str(f) in str(e.value)
+
+
+def test_duplicate_model_across_pools_rejected(tmp_path):
+    f = tmp_path / "dup.yaml"
+    f.write_text("pools: [{name: a, models: [m], replicas: ['http://x']}, {name: b, models: [m], replicas: ['http://y']}]")
+    with pytest.raises(ConfigError, match="served by two pools"):
+        load(f, environ={})
+
+
+def test_unreadable_and_non_mapping(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        load(tmp_path / "missing.yaml", environ={})
+    f = tmp_path / "list.yaml"
+    f.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load(f, environ={})
+
+
+def test_with_local_pool():
+    cfg = with_local_pool(load(None, environ={}), "http://127.0.0.1:8123")
+    assert cfg.model_names == ["smollm2-135m-instruct"]
+    assert cfg.pools[0].replicas == ["http://127.0.0.1:8123"]

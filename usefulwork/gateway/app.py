@@ -1,0 +1,131 @@
+"""The Starlette application: routes, lifespan (HTTP client, fleet prober, accounting), metrics."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import AsyncIterator
+
+import httpx
+import orjson
+import prometheus_client
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from usefulwork.backends.fleet import Fleet
+from usefulwork.config import Config
+from usefulwork.gateway import accounting
+from usefulwork.gateway.errors import error_body
+from usefulwork.gateway.proxy import Proxy
+
+JSON = "application/json"
+
+
+def make_client(cfg: Config) -> httpx.AsyncClient:
+    """One pooled keep-alive client for every upstream call."""
+    t = cfg.timeouts
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(connect=t.connect_s, read=t.read_s, write=30.0, pool=t.connect_s),
+        limits=httpx.Limits(max_connections=4096, max_keepalive_connections=1024, keepalive_expiry=60.0),
+        # Never decompress or re-encode: SSE and JSON bytes go through as they came.
+        headers={"accept-encoding": "identity"},
+        trust_env=False,
+    )
+
+
+def fleet_metrics_text(fleet: Fleet) -> str:
+    """Per-replica gauges in Prometheus text format (rendered directly: no global registry state)."""
+    lines = []
+    gauges = (
+        ("usefulwork_replica_up", "Replica passed its last health probe (1) or not (0).", lambda r: 1.0 if r.healthy else 0.0),
+        ("usefulwork_replica_inflight", "Requests this gateway has outstanding on the replica.", lambda r: r.inflight),
+        ("usefulwork_replica_running", "vllm:num_requests_running scraped from the replica.", lambda r: r.running),
+        ("usefulwork_replica_waiting", "vllm:num_requests_waiting scraped from the replica.", lambda r: r.waiting),
+        ("usefulwork_replica_kv_cache_usage", "vllm:kv_cache_usage_perc scraped from the replica (0-1).", lambda r: r.kv_usage),
+        ("usefulwork_replica_prefix_cache_hit_rate", "Prefix cache hits / queries since replica start.", lambda r: r.prefix_hit_rate),
+    )
+    for name, help_text, get in gauges:
+        lines.append(f"# HELP {name} {help_text}")
+        lines.append(f"# TYPE {name} gauge")
+        for r in fleet.replicas:
+            lines.append(f'{name}{{pool="{r.pool}",replica="{r.url}"}} {float(get(r))}')
+    return "\n".join(lines) + "\n"
+
+
+def build_app(cfg: Config, client: httpx.AsyncClient | None = None) -> Starlette:
+    client = client or make_client(cfg)
+    fleet = Fleet(cfg, client)
+    bundle = accounting.build(cfg, fleet)
+    proxy = Proxy(cfg, fleet, client, bundle.accountant)
+    started = time.time()
+
+    async def models(request: Request) -> Response:
+        data = [
+            {"id": m, "object": "model", "created": int(started), "owned_by": f"usefulwork:{p.name}"}
+            for p in cfg.pools for m in p.models
+        ]
+        return Response(orjson.dumps({"object": "list", "data": data}), media_type=JSON)
+
+    async def healthz(request: Request) -> Response:
+        return Response(b'{"status":"ok"}', media_type=JSON)
+
+    async def readyz(request: Request) -> Response:
+        pools = {
+            name: {
+                "healthy": len(p.healthy_replicas()),
+                "replicas": [{"url": r.url, "healthy": r.healthy, "reason": r.down_reason} for r in p.replicas],
+            }
+            for name, p in fleet.pools.items()
+        }
+        ready = fleet.ready()
+        return Response(orjson.dumps({"ready": ready, "pools": pools}), status_code=200 if ready else 503,
+                        media_type=JSON)
+
+    async def metrics(request: Request) -> Response:
+        body = prometheus_client.generate_latest(prometheus_client.REGISTRY) + fleet_metrics_text(fleet).encode()
+        return Response(body, media_type=prometheus_client.CONTENT_TYPE_LATEST)
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        return Response(error_body(404, f"no route for {request.method} {request.url.path}", code="not_found"),
+                        status_code=404, media_type=JSON)
+
+    async def method_not_allowed(request: Request, exc: Exception) -> Response:
+        return Response(error_body(405, f"{request.method} is not allowed on {request.url.path}"),
+                        status_code=405, media_type=JSON)
+
+    async def server_error(request: Request, exc: Exception) -> Response:
+        return Response(error_body(500, "internal gateway error", code="internal_error"), status_code=500,
+                        media_type=JSON)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await fleet.start()
+        await bundle.accountant.start()
+        try:
+            yield
+        finally:
+            await bundle.accountant.stop()
+            await fleet.stop()
+            await client.aclose()
+
+    routes = [
+        Route("/v1/chat/completions", proxy.chat, methods=["POST"]),
+        Route("/v1/completions", proxy.completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/readyz", readyz, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        *bundle.routes,
+    ]
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={404: not_found, 405: method_not_allowed, 500: server_error, Exception: server_error},
+    )
+    app.state.cfg = cfg
+    app.state.fleet = fleet
+    app.state.proxy = proxy
+    app.state.accounting = bundle
+    return app

@@ -1,0 +1,78 @@
+"""Pass upstream SSE bytes through with as little work as possible.
+
+Upstream chunks are re-framed on the blank line that ends an SSE event (a network read can hold
+part of an event or several), and forwarded as they complete. No chunk is JSON-decoded, except
+the one carrying a non-null ``usage`` object: it is read for accounting and, when the client did
+not ask for usage (we always ask upstream), removed. Cost per chunk: one ``find`` for the event
+boundary and one for ``"usage":{``, both in C.
+"""
+
+from __future__ import annotations
+
+import orjson
+
+_SEP = b"\n\n"
+_USAGE = b'"usage":{'
+_USAGE_SPACED = b'"usage": {'
+DONE_EVENT = b"data: [DONE]\n\n"
+
+
+class SSEFilter:
+    __slots__ = ("_buf", "keep_usage", "usage", "events", "done")
+
+    def __init__(self, keep_usage: bool):
+        self._buf = b""
+        self.keep_usage = keep_usage
+        self.usage: dict | None = None
+        self.events = 0  # complete events forwarded (excluding [DONE])
+        self.done = False
+
+    def feed(self, chunk: bytes) -> bytes:
+        """Take raw upstream bytes; return the complete events to forward (possibly b"")."""
+        if self._buf:
+            chunk = self._buf + chunk
+        end = chunk.rfind(_SEP)
+        if end < 0:
+            self._buf = chunk
+            return b""
+        end += 2
+        self._buf = chunk[end:]
+        out = chunk[:end]
+        if _USAGE in out or _USAGE_SPACED in out:
+            out = self._take_usage(out)
+        self.events += out.count(b"data: ")
+        if out.endswith(DONE_EVENT):
+            self.done = True
+            self.events -= 1
+        return out
+
+    def flush(self) -> bytes:
+        """Whatever is left when upstream closes (an unterminated last event)."""
+        rest, self._buf = self._buf, b""
+        return rest
+
+    def _take_usage(self, out: bytes) -> bytes:
+        kept = []
+        for event in out.split(_SEP):
+            if not event:
+                continue
+            if (_USAGE in event or _USAGE_SPACED in event) and event.startswith(b"data: {"):
+                try:
+                    obj = orjson.loads(event[6:])
+                except orjson.JSONDecodeError:
+                    kept.append(event)
+                    continue
+                usage = obj.get("usage")
+                if isinstance(usage, dict):
+                    self.usage = usage
+                    # The usage-only chunk has no choices: drop it unless the client asked for it.
+                    if not self.keep_usage and not obj.get("choices"):
+                        continue
+            kept.append(event)
+        return b"".join(e + _SEP for e in kept)
+
+
+def error_event(message: str, code: int = 502, type_: str = "upstream_error") -> bytes:
+    """An SSE error event followed by [DONE], for failures after streaming began."""
+    body = orjson.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}})
+    return b"data: " + body + _SEP + DONE_EVENT

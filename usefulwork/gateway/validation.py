@@ -1,0 +1,115 @@
+"""Validate OpenAI request bodies before anything is forwarded.
+
+Hand-written checks rather than a pydantic model: this runs on every request, the checks are few,
+and a dict walk costs a few microseconds where model validation costs tens. Only what the gateway
+must rely on (or what would otherwise fail late, upstream) is checked; unknown fields pass through
+to vLLM untouched, since vLLM accepts many extensions (ignore_eos, min_tokens, ...).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from usefulwork.gateway.errors import GatewayError
+
+_ROLES = frozenset({"system", "user", "assistant", "tool", "developer", "function"})
+
+
+def _bad(param: str, message: str) -> GatewayError:
+    return GatewayError(422, message, param=param, code="invalid_value")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    if not raw:
+        raise GatewayError(400, "request body is empty; expected a JSON object", code="invalid_json")
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise GatewayError(400, f"request body is not valid JSON: {exc.args[0] if exc.args else exc}",
+                           code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise GatewayError(400, f"request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+    return body
+
+
+def _check_common(body: dict[str, Any]) -> None:
+    model = body.get("model")
+    if model is None:
+        raise _bad("model", "'model' is required")
+    if not isinstance(model, str) or not model:
+        raise _bad("model", "'model' must be a non-empty string")
+    for key in ("max_tokens", "max_completion_tokens"):
+        v = body.get(key)
+        if v is not None and (not _is_int(v) or v < 1):
+            raise _bad(key, f"'{key}' must be an integer >= 1, got {v!r}")
+    n = body.get("n")
+    if n is not None and (not _is_int(n) or n < 1):
+        raise _bad("n", f"'n' must be an integer >= 1, got {n!r}")
+    t = body.get("temperature")
+    if t is not None and (not _is_num(t) or not 0 <= t <= 2):
+        raise _bad("temperature", f"'temperature' must be a number in [0, 2], got {t!r}")
+    p = body.get("top_p")
+    if p is not None and (not _is_num(p) or not 0 <= p <= 1):
+        raise _bad("top_p", f"'top_p' must be a number in [0, 1], got {p!r}")
+    s = body.get("stream")
+    if s is not None and not isinstance(s, bool):
+        raise _bad("stream", f"'stream' must be a boolean, got {s!r}")
+    so = body.get("stream_options")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise _bad("stream_options", "'stream_options' must be an object")
+        iu = so.get("include_usage")
+        if iu is not None and not isinstance(iu, bool):
+            raise _bad("stream_options.include_usage", "'stream_options.include_usage' must be a boolean")
+    stop = body.get("stop")
+    if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(x, str) for x in stop))):
+        raise _bad("stop", "'stop' must be a string or a list of strings")
+
+
+def validate_chat(body: dict[str, Any]) -> None:
+    _check_common(body)
+    msgs = body.get("messages")
+    if msgs is None:
+        raise _bad("messages", "'messages' is required")
+    if not isinstance(msgs, list):
+        raise _bad("messages", "'messages' must be a list of message objects")
+    if not msgs:
+        raise _bad("messages", "'messages' must not be empty")
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise _bad(f"messages[{i}]", f"messages[{i}] must be an object")
+        role = m.get("role")
+        if not isinstance(role, str) or role not in _ROLES:
+            raise _bad(f"messages[{i}].role", f"messages[{i}].role must be one of {sorted(_ROLES)}, got {role!r}")
+        content = m.get("content")
+        if content is None:
+            if role == "assistant" and (m.get("tool_calls") or m.get("function_call")):
+                continue
+            raise _bad(f"messages[{i}].content", f"messages[{i}].content is required")
+        if not isinstance(content, (str, list)):
+            raise _bad(f"messages[{i}].content", f"messages[{i}].content must be a string or a list of parts")
+
+
+def validate_completion(body: dict[str, Any]) -> None:
+    _check_common(body)
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise _bad("prompt", "'prompt' is required")
+    if isinstance(prompt, str):
+        return
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(x, str) for x in prompt) or all(_is_int(x) for x in prompt):
+            return
+        if all(isinstance(x, list) and x and all(_is_int(t) for t in x) for x in prompt):
+            return
+    raise _bad("prompt", "'prompt' must be a string, a non-empty list of strings, or token id lists")
