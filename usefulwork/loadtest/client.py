@@ -1,0 +1,159 @@
+"""The streaming client: one request, timed chunk by chunk.
+
+Per request it records TTFT (send -> first chunk carrying generated text), every inter-chunk gap
+(ITL), E2EL, prompt and output tokens (from the server's usage, asked for with
+``stream_options.include_usage``), and the outcome:
+
+- ``ok``: a complete stream (``[DONE]`` or a final usage chunk) with status 200;
+- ``shed``: HTTP 429 (the gateway's admission control said no);
+- ``error``: any other non-200 status, an error event inside the stream, or a broken stream;
+- ``timeout``: the per-request timeout passed first;
+- ``client_cancelled``: the runner gave up on it (the drain deadline of a run passed).
+
+Times are ``time.perf_counter`` seconds; the runner turns them into offsets from the run start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import httpx
+import orjson
+
+from usefulwork.loadtest.workloads import RequestSpec
+
+Outcome = Literal["ok", "shed", "error", "timeout", "client_cancelled"]
+OUTCOMES: tuple[Outcome, ...] = ("ok", "shed", "error", "timeout", "client_cancelled")
+
+
+@dataclass(slots=True)
+class RequestResult:
+    index: int
+    kind: str
+    planned: float  # planned send offset (s from run start)
+    sent: float = 0.0  # actual send offset
+    end: float = 0.0  # offset when the request finished (any outcome)
+    outcome: Outcome = "ok"
+    status: int = 0
+    ttft: float = 0.0  # s; 0 when no token arrived
+    itl: list[float] = field(default_factory=list)  # s, gaps between content chunks
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    planned_input_tokens: int = 0
+    chunks: int = 0
+    usage_seen: bool = False
+    error: str = ""
+
+    @property
+    def schedule_lag(self) -> float:
+        """How late the request went out versus its plan (the load generator's own queueing)."""
+        return max(0.0, self.sent - self.planned)
+
+    @property
+    def e2el(self) -> float:
+        return self.end - self.sent
+
+    @property
+    def tpot(self) -> float | None:
+        """(E2EL - TTFT) / (n - 1), the `vllm bench` definition; None below 2 output tokens."""
+        if self.outcome != "ok" or self.output_tokens < 2:
+            return None
+        return (self.e2el - self.ttft) / (self.output_tokens - 1)
+
+
+def make_client(max_connections: int = 4096, connect_timeout_s: float = 10.0) -> httpx.AsyncClient:
+    # No overall httpx timeout: the per-request deadline is enforced by the caller as a whole.
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(None, connect=connect_timeout_s),
+        limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=256),
+        http1=True,
+    )
+
+
+def _has_text(choice: dict[str, Any]) -> bool:
+    text = choice.get("text")
+    if text:
+        return True
+    delta = choice.get("delta")
+    return bool(delta and (delta.get("content") or delta.get("reasoning_content")))
+
+
+class _StreamError(Exception):
+    pass
+
+
+async def _stream(client: httpx.AsyncClient, url: str, body: bytes, headers: dict[str, str],
+                  res: RequestResult, t_send: float, clock0: float) -> None:
+    async with client.stream("POST", url, content=body, headers=headers) as resp:
+        res.status = resp.status_code
+        if resp.status_code != 200:
+            detail = (await resp.aread())[:300].decode(errors="replace")
+            res.outcome = "shed" if resp.status_code == 429 else "error"
+            res.error = f"HTTP {resp.status_code}: {detail}"
+            return
+        last = t_send
+        done = False
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == "[DONE]":
+                done = True
+                break
+            try:
+                obj = orjson.loads(payload)
+            except orjson.JSONDecodeError:
+                raise _StreamError(f"unparseable SSE data: {payload[:120]!r}") from None
+            if "error" in obj:
+                err = obj["error"]
+                raise _StreamError(f"error event: {err.get('message', err) if isinstance(err, dict) else err}")
+            now = time.perf_counter()
+            choices = obj.get("choices")
+            if choices and _has_text(choices[0]):
+                if res.chunks == 0:
+                    res.ttft = now - t_send
+                else:
+                    res.itl.append(now - last)
+                last = now
+                res.chunks += 1
+            usage = obj.get("usage")
+            if usage:
+                res.usage_seen = True
+                res.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                res.output_tokens = int(usage.get("completion_tokens") or 0)
+        if not done and not res.usage_seen:
+            raise _StreamError("stream ended before [DONE]")
+        if not res.usage_seen:
+            res.output_tokens = res.chunks  # best effort: one token per chunk
+
+
+async def send(client: httpx.AsyncClient, base_url: str, spec: RequestSpec, model: str, *, timeout_s: float,
+               clock0: float, planned: float, api_key: str | None = None) -> RequestResult:
+    """Send one streaming request; never raises (every failure becomes an outcome)."""
+    res = RequestResult(index=spec.index, kind=spec.kind, planned=planned, planned_input_tokens=spec.input_tokens)
+    path = "/v1/chat/completions" if spec.endpoint == "chat" else "/v1/completions"
+    headers = {"content-type": "application/json"}
+    if api_key:
+        headers["authorization"] = f"Bearer {api_key}"
+    body = orjson.dumps(spec.body(model))
+    t_send = time.perf_counter()
+    res.sent = t_send - clock0
+    try:
+        async with asyncio.timeout(timeout_s):
+            await _stream(client, base_url + path, body, headers, res, t_send, clock0)
+    except TimeoutError:
+        res.outcome, res.error = "timeout", f"no complete answer within {timeout_s:g}s"
+    except asyncio.CancelledError:
+        # The runner cancels at its drain deadline; the task ends here with the outcome recorded.
+        res.outcome, res.error = "client_cancelled", "cancelled by the load generator at the drain deadline"
+    except _StreamError as exc:
+        res.outcome, res.error = "error", str(exc)
+    except httpx.HTTPError as exc:
+        res.outcome, res.error = "error", f"{type(exc).__name__}: {exc}"
+    res.end = time.perf_counter() - clock0
+    if res.outcome != "ok":
+        res.ttft = res.ttft if res.chunks else 0.0
+    return res
