@@ -1,0 +1,229 @@
+"""The two cost views: the price sheet, and GPU time attributed to the requests that used it.
+
+Price sheet: a request costs its pool's $ per 1M input / cached-input / output tokens.
+
+GPU time: a pool costs ``gpu.count x gpu.usd_per_hour`` for every second it is up, served or not.
+Time is cut into intervals of ``cost.interval_s`` (aligned on the pool's start). A finished request
+books its *work* into the intervals it ran in: prefill work (``prefill_weight x`` uncached prompt
+tokens) spread evenly over [start, first token], decode work (``decode_weight x`` completion
+tokens) spread evenly over [first token, end]. When an interval is *settled*, its cost is split
+between the requests that booked work in it, by their share of its work; an interval with no work
+goes to the pool's explicit ``idle`` bucket. So, exactly (floating point aside)::
+
+    sum(attributed to requests) + idle == usd_per_hour x settled up-time
+
+An interval can only be settled once no request still running can book work in it: the caller
+passes the *frontier* (everything before it is final). Work a late request would book before the
+frontier is spread over the part of its span after the frontier instead (or, if none, into the
+first open interval): totals stay conserved, only the split between intervals shifts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from usefulwork.config import CostCfg, Pool
+from usefulwork.gateway.context import RequestContext
+
+
+def price_sheet_cost(pool: Pool | None, ctx: RequestContext) -> float:
+    """$ for one request from its pool's price sheet (0 when no price is set or no pool served it)."""
+    if pool is None or ctx.cache.startswith("hit"):
+        return 0.0
+    p = pool.prices
+    cached = min(ctx.cached_tokens, ctx.prompt_tokens)
+    uncached = ctx.prompt_tokens - cached
+    inp = p.input_per_1m or 0.0
+    cached_price = p.cached_input_per_1m if p.cached_input_per_1m is not None else inp
+    return (uncached * inp + cached * cached_price + ctx.completion_tokens * (p.output_per_1m or 0.0)) / 1e6
+
+
+def work_units(cost: CostCfg, ctx: RequestContext) -> tuple[float, float]:
+    """(prefill work, decode work) of a request; a cache hit did no GPU work."""
+    if ctx.pool is None or ctx.cache.startswith("hit"):
+        return 0.0, 0.0
+    uncached = max(ctx.prompt_tokens - ctx.cached_tokens, 0)
+    return cost.prefill_weight * uncached, cost.decode_weight * ctx.completion_tokens
+
+
+@dataclass(slots=True)
+class Share:
+    """What one request booked in a pool; ``usd`` grows as its intervals settle."""
+
+    key: object  # the caller's handle for the request (its ledger record)
+    tenant: str
+    usd: float = 0.0
+    pending: int = 0  # intervals booked but not yet settled
+
+
+@dataclass(slots=True)
+class _Interval:
+    work: float = 0.0
+    by_share: dict[int, float] = field(default_factory=dict)  # id(Share) -> work
+    shares: dict[int, Share] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Settled:
+    """One settled interval, for the caller to fold into its books."""
+
+    pool: str
+    start: float  # wall-clock seconds
+    end: float
+    usd: float
+    idle_usd: float
+    by_tenant: dict[str, float]
+
+
+class PoolMeter:
+    """GPU-time attribution for one pool (see the module doc)."""
+
+    def __init__(self, name: str, usd_per_hour: float, started_at: float, interval_s: float):
+        self.name = name
+        self.rate = usd_per_hour / 3600.0  # $ per second
+        self.started_at = started_at
+        self.dt = interval_s
+        self._open: dict[int, _Interval] = {}
+        self.settled_k = 0  # intervals [0, settled_k) are final
+        self.attributed_usd = 0.0
+        self.idle_usd = 0.0
+        self.closed = False
+        self.closed_at: float | None = None
+
+    # -- time <-> interval index --
+    def _k(self, t: float) -> int:
+        return max(int(math.floor((t - self.started_at) / self.dt)), 0)
+
+    def _t(self, k: int) -> float:
+        return self.started_at + k * self.dt
+
+    @property
+    def frontier(self) -> float:
+        return self._t(self.settled_k)
+
+    def cost_between(self, a: float, b: float) -> float:
+        """The pool's GPU cost over [a, b] (0 before it started or after it was closed)."""
+        a = max(a, self.started_at)
+        if self.closed_at is not None:
+            b = min(b, self.closed_at)
+        return self.rate * (b - a) if b > a else 0.0
+
+    # -- booking --
+    def book(self, share: Share, spans: Iterable[tuple[float, float, float]]) -> None:
+        """Book work given as (start, end, work) spans (wall-clock seconds)."""
+        for a, b, w in spans:
+            if w <= 0:
+                continue
+            lo = self.frontier
+            if self.closed:
+                continue  # after shutdown's final settlement nothing can be paid any more
+            if b <= lo:
+                a = b = lo  # entirely before the frontier: into the first open interval
+            elif a < lo:
+                a = lo
+            self._spread(share, a, b, w)
+
+    def _spread(self, share: Share, a: float, b: float, w: float) -> None:
+        ka, kb = self._k(a), self._k(b)
+        if kb == ka or b - a <= 1e-12:
+            self._add(ka, share, w)
+            return
+        density = w / (b - a)
+        for k in range(ka, kb + 1):
+            lo, hi = max(a, self._t(k)), min(b, self._t(k + 1))
+            if hi > lo:
+                self._add(k, share, density * (hi - lo))
+
+    def _add(self, k: int, share: Share, w: float) -> None:
+        iv = self._open.get(k)
+        if iv is None:
+            iv = self._open[k] = _Interval()
+        sid = id(share)
+        if sid not in iv.shares:
+            iv.shares[sid] = share
+            iv.by_share[sid] = 0.0
+            share.pending += 1
+        iv.by_share[sid] += w
+        iv.work += w
+
+    # -- settlement --
+    def settle(self, frontier: float) -> list[Settled]:
+        """Settle every whole interval that ends at or before ``frontier``."""
+        out: list[Settled] = []
+        while not self.closed and self._t(self.settled_k + 1) <= frontier + 1e-9:
+            k = self.settled_k
+            out.append(self._close(k, self._t(k), self._t(k + 1), [self._open.pop(k)] if k in self._open else []))
+            self.settled_k += 1
+        return out
+
+    def settle_all(self, now: float) -> list[Settled]:
+        """Final settlement (shutdown): whole intervals, then the partial one up to ``now``.
+
+        Open intervals past ``now`` (work booked with a skewed clock) are folded into that last,
+        partial interval so that no booked work is left unpaid. The meter is closed afterwards.
+        """
+        out = self.settle(now)
+        if self.closed:
+            return out
+        k = self.settled_k
+        end = max(now, self._t(k))
+        rest = [self._open.pop(j) for j in sorted(self._open)]
+        out.append(self._close(k, self._t(k), end, rest))
+        self.closed = True
+        self.closed_at = end
+        return out
+
+    def _close(self, k: int, start: float, end: float, ivs: list[_Interval]) -> Settled:
+        usd = self.rate * (end - start)
+        work = sum(iv.work for iv in ivs)
+        by_tenant: dict[str, float] = {}
+        idle = 0.0
+        if work <= 0:
+            idle = usd
+        for iv in ivs:
+            for sid, share in iv.shares.items():
+                share.pending -= 1
+                if work > 0:
+                    part = usd * iv.by_share[sid] / work
+                    share.usd += part
+                    by_tenant[share.tenant] = by_tenant.get(share.tenant, 0.0) + part
+        self.idle_usd += idle
+        self.attributed_usd += usd - idle
+        return Settled(self.name, start, end, usd, idle, by_tenant)
+
+    # -- live (unsettled) view --
+    def provisional(self, a: float, b: float) -> tuple[float, dict[str, float]]:
+        """(idle $, $ by tenant) of the still-open part of [a, b], split by the work booked so far."""
+        idle = 0.0
+        by_tenant: dict[str, float] = {}
+        if self.closed:
+            return idle, by_tenant
+        lo = max(a, self.frontier)
+        if b <= lo:
+            return 0.0, by_tenant
+        for k in range(self._k(lo), self._k(b) + 1):
+            s, e = max(lo, self._t(k)), min(b, self._t(k + 1))
+            if e <= s:
+                continue
+            usd = self.rate * (e - s)
+            iv = self._open.get(k)
+            if iv is None or iv.work <= 0:
+                idle += usd
+                continue
+            for sid, share in iv.shares.items():
+                by_tenant[share.tenant] = by_tenant.get(share.tenant, 0.0) + usd * iv.by_share[sid] / iv.work
+        return idle, by_tenant
+
+
+def request_spans(ctx: RequestContext, prefill: float, decode: float) -> list[tuple[float, float, float]]:
+    """Wall-clock spans in which the request's prefill and decode work happened."""
+    if ctx.t_end is None:
+        return []
+    base = ctx.wall_start - ctx.t_start  # perf_counter -> wall clock
+    start = base + (ctx.t_admitted if ctx.t_admitted is not None else ctx.t_start)
+    end = base + ctx.t_end
+    first = base + ctx.t_first_token if ctx.t_first_token is not None else end
+    first = min(max(first, start), end)
+    return [(start, first, prefill), (first, end, decode)]

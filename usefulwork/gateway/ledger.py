@@ -1,0 +1,312 @@
+"""The ledger: one record per client request, whatever its outcome, written off the hot path.
+
+``Accountant.finish(ctx)`` only appends the context to a deque (O(1), no I/O, no lock). A background
+task wakes every ``ledger.flush_interval_s`` (or as soon as ``batch_size`` requests are waiting)
+and, per batch:
+
+1. estimates tokens for requests whose upstream never reported usage (tokenizer, worker thread);
+2. judges the SLO, prices the request (price sheet) and books its GPU work (``costing``);
+3. updates the live windows (``stats``) and OpenTelemetry (``telemetry``);
+4. settles GPU-time intervals no running request can still touch, which completes the records'
+   ``gpu_cost_usd``; completed records go to the sinks (JSONL, Redis Stream) in one write each.
+
+A record therefore reaches the sinks once its GPU-time share is final: shortly after the request
+ends when the gateway reports request starts (``begin``), else after ``settle_hold_s``. ``stop()``
+settles everything up to now and flushes every sink, so a SIGTERM loses nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from typing import Callable
+
+import orjson
+
+from usefulwork.backends.fleet import Fleet
+from usefulwork.config import SLO, Config
+from usefulwork.gateway.context import RequestContext
+from usefulwork.gateway.costing import PoolMeter, Settled, Share, price_sheet_cost, request_spans, work_units
+from usefulwork.gateway.sinks import Sink
+from usefulwork.gateway.stats import Outcome, Stats
+from usefulwork.gateway.telemetry import Telemetry
+from usefulwork.gateway.tokens import TokenEstimator
+
+log = logging.getLogger("usefulwork.ledger")
+
+MAX_BACKLOG = 200_000  # records kept per failing sink before the oldest are dropped (and counted)
+MAX_HOLD_S = 600.0  # never hold a record longer than this waiting for a slow request to finish
+
+
+def judge_slo(slo: SLO, ctx: RequestContext) -> bool | None:
+    """True when an ok request met every latency objective; None for rejected (bad input) requests."""
+    if ctx.outcome == "rejected":
+        return None
+    if ctx.outcome != "ok":
+        return False
+    e2e, ttft, tpot = ctx.e2e_ms, ctx.ttft_ms, ctx.tpot_ms
+    if e2e is not None and e2e > slo.e2e_ms:
+        return False
+    if ttft is not None and ttft > slo.ttft_ms:
+        return False
+    if tpot is not None and tpot > slo.tpot_ms:
+        return False
+    return True
+
+
+def _r(x: float | None, nd: int = 3) -> float | None:
+    return None if x is None else round(x, nd)
+
+
+def to_record(ctx: RequestContext, work: float) -> dict:
+    """The ledger record of a finished request (field reference: docs/accounting.md)."""
+    return {
+        "id": ctx.id,
+        "ts": round(ctx.wall_start, 6),
+        "tenant": ctx.tenant,
+        "endpoint": ctx.endpoint,
+        "model": ctx.model,
+        "stream": ctx.stream,
+        "pool": ctx.pool,
+        "replica": ctx.replica,
+        "route": ctx.route,
+        "route_reason": ctx.route_reason,
+        "attempts": ctx.attempts,
+        "cache": ctx.cache,
+        "prompt_tokens": ctx.prompt_tokens,
+        "completion_tokens": ctx.completion_tokens,
+        "cached_tokens": ctx.cached_tokens,
+        "usage_source": ctx.usage_source,
+        "queue_wait_ms": _r(ctx.queue_wait_ms),
+        "ttft_ms": _r(ctx.ttft_ms),
+        "tpot_ms": _r(ctx.tpot_ms),
+        "e2e_ms": _r(ctx.e2e_ms),
+        "status_code": ctx.status_code,
+        "outcome": ctx.outcome,
+        "error": ctx.error,
+        "slo_met": ctx.slo_met,
+        "cost_usd": ctx.cost_usd,
+        "gpu_cost_usd": None,
+        "work": work,
+    }
+
+
+class Accountant:
+    """Receives every finished request (see the module doc)."""
+
+    def __init__(self, cfg: Config, fleet: Fleet, sinks: list[Sink], *, telemetry: Telemetry | None = None,
+                 estimator: TokenEstimator | None = None, meters: dict[str, PoolMeter] | None = None,
+                 clock: Callable[[], float] = time.time, settle_hold_s: float = 30.0):
+        self.cfg = cfg
+        self.fleet = fleet
+        self.sinks = sinks
+        self.clock = clock
+        self.settle_hold_s = settle_hold_s
+        self.meters = meters if meters is not None else {
+            name: PoolMeter(name, ps.cfg.usd_per_hour, ps.started_at, cfg.cost.interval_s)
+            for name, ps in fleet.pools.items()}
+        self.stats = Stats(self.meters)
+        self.telemetry = telemetry
+        self.estimator = estimator or TokenEstimator()
+        self._pools = {p.name: p for p in cfg.pools}
+        self._queue: deque[RequestContext] = deque()
+        self._inflight: dict[str, float] = {}
+        self._tracks_starts = False
+        self._held: dict[int, tuple[Share, dict]] = {}
+        self._backlog: dict[str, list[bytes]] = {s.name: [] for s in sinks}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._stopped = False
+        self.written: dict[str, int] = {s.name: 0 for s in sinks}
+        self.records_dropped = 0
+        self.finished = 0
+
+    # -- the hot path: O(1), never blocks --
+    def begin(self, ctx: RequestContext) -> None:
+        """Optional: a request started. Lets settlement wait exactly for the oldest running request."""
+        self._tracks_starts = True
+        self._inflight[ctx.id] = ctx.wall_start
+
+    def finish(self, ctx: RequestContext) -> None:
+        self._inflight.pop(ctx.id, None)
+        self._queue.append(ctx)
+        self.finished += 1
+        if len(self._queue) >= self.cfg.ledger.batch_size:
+            self._wake.set()
+
+    # -- lifecycle --
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop(), name="usefulwork-ledger")
+
+    async def stop(self) -> None:
+        """Account for everything still queued, settle all GPU time up to now, flush every sink."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        try:
+            await self._process(final=True)
+            for _ in range(3):  # a sink that hiccups at shutdown gets a few more chances
+                if not any(self._backlog.values()):
+                    break
+                await asyncio.sleep(0.2)
+                await self._write_sinks()
+            lost = sum(len(b) for b in self._backlog.values())
+            if lost:
+                log.error("ledger: %d records could not be written at shutdown", lost)
+        finally:
+            for sink in self.sinks:
+                try:
+                    await sink.close()
+                except Exception:
+                    log.exception("closing ledger sink %s", sink.name)
+            if self.telemetry is not None:
+                await asyncio.to_thread(self.telemetry.shutdown)
+
+    async def _loop(self) -> None:
+        interval = self.cfg.ledger.flush_interval_s
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=interval)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+            try:
+                await self._process()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never let the accountant die: the next pass retries
+                log.exception("ledger pass failed")
+
+    # -- the background work --
+    async def _process(self, final: bool = False) -> None:
+        batch: list[RequestContext] = []
+        while self._queue:
+            batch.append(self._queue.popleft())
+        if batch:
+            need = [c for c in batch if c.usage_source == "none" and (c.replica is not None or c.streamed_events)]
+            if need:
+                await asyncio.to_thread(self._estimate, need)
+            ready: list[dict] = []
+            for i, ctx in enumerate(batch):
+                self._account(ctx, ready)
+                if i % 256 == 255:
+                    await asyncio.sleep(0)  # let requests run between chunks of a large batch
+            self._enqueue(ready)
+        self._settle(final)
+        await self._write_sinks()
+
+    def _estimate(self, ctxs: list[RequestContext]) -> None:
+        for ctx in ctxs:
+            try:
+                ctx.prompt_tokens = ctx.prompt_tokens or self.estimator.count_prompt(ctx.prompt_payload)
+                ctx.completion_tokens = ctx.completion_tokens or self.estimator.count_completion(ctx.streamed_events)
+                ctx.usage_source = "estimate"
+            except Exception:
+                log.exception("token estimate failed for %s", ctx.id)
+
+    def _account(self, ctx: RequestContext, ready: list[dict]) -> None:
+        if ctx.t_end is None:
+            ctx.t_end = time.perf_counter()  # the gateway should set it; never leave a record open
+        ctx.slo_met = judge_slo(self.cfg.slo, ctx)
+        pool = self._pools.get(ctx.pool) if ctx.pool else None
+        ctx.cost_usd = price_sheet_cost(pool, ctx)
+        prefill, decode = work_units(self.cfg.cost, ctx)
+        rec = to_record(ctx, prefill + decode)
+        self.stats.add(Outcome(
+            t_end=ctx.wall_start + (ctx.t_end - ctx.t_start), tenant=ctx.tenant, pool=ctx.pool,
+            outcome=ctx.outcome, slo_met=ctx.slo_met, cache=ctx.cache, prompt_tokens=ctx.prompt_tokens,
+            completion_tokens=ctx.completion_tokens, cached_tokens=ctx.cached_tokens,
+            estimated=ctx.usage_source == "estimate", price_usd=ctx.cost_usd))
+        if self.telemetry is not None:
+            try:
+                self.telemetry.record(ctx, rec)
+            except Exception:
+                log.exception("telemetry record failed for %s", ctx.id)
+        meter = self.meters.get(ctx.pool) if ctx.pool else None
+        if meter is None or prefill + decode <= 0:
+            rec["gpu_cost_usd"] = 0.0
+            ready.append(rec)
+            return
+        share = Share(key=ctx.id, tenant=ctx.tenant)
+        meter.book(share, request_spans(ctx, prefill, decode))
+        if share.pending == 0:  # meter closed (shutdown): nothing more can be attributed
+            rec["gpu_cost_usd"] = share.usd
+            ready.append(rec)
+        else:
+            self._held[id(share)] = (share, rec)
+
+    def frontier(self, now: float) -> float:
+        """Settle up to here: no running request can still book work before it."""
+        grace = 2 * self.cfg.cost.interval_s + self.cfg.ledger.flush_interval_s
+        if not self._tracks_starts:
+            return now - max(self.settle_hold_s, grace)
+        oldest = min(self._inflight.values(), default=now)
+        return max(min(now - grace, oldest), now - MAX_HOLD_S)
+
+    def _settle(self, final: bool) -> None:
+        now = self.clock()
+        settled: list[Settled] = []
+        for meter in self.meters.values():
+            settled.extend(meter.settle_all(now) if final else meter.settle(self.frontier(now)))
+        if settled:
+            self.stats.add_settled(settled)
+            if self.telemetry is not None:
+                self.telemetry.record_settled(settled)
+        done = [k for k, (share, _) in self._held.items() if share.pending <= 0]
+        ready = []
+        for k in done:
+            share, rec = self._held.pop(k)
+            rec["gpu_cost_usd"] = share.usd
+            ready.append(rec)
+        self._enqueue(ready)
+
+    def _enqueue(self, records: list[dict]) -> None:
+        if not records or not self.sinks:
+            return
+        encoded = [orjson.dumps(r) for r in records]
+        for name, backlog in self._backlog.items():
+            backlog.extend(encoded)
+            if len(backlog) > MAX_BACKLOG:
+                drop = len(backlog) - MAX_BACKLOG
+                del backlog[:drop]
+                self.records_dropped += drop
+                log.error("ledger sink %s is failing: dropped %d oldest records", name, drop)
+
+    async def _write_sinks(self) -> None:
+        for sink in self.sinks:
+            backlog = self._backlog[sink.name]
+            if not backlog:
+                continue
+            batch = backlog[:]
+            try:
+                await sink.write(batch)
+            except Exception as exc:
+                log.warning("ledger sink %s write failed (%s); will retry", sink.name, exc)
+                continue
+            del backlog[:len(batch)]
+            self.written[sink.name] += len(batch)
+
+    # -- reads (event loop) --
+    def snapshot(self, with_series: bool = False) -> dict:
+        out = self.stats.snapshot(self.clock(), with_series)
+        out["ledger"] = {
+            "finished": self.finished,
+            "queued": len(self._queue),
+            "held_for_settlement": len(self._held),
+            "records_written": dict(self.written),
+            "records_dropped": self.records_dropped,
+            "sinks": [s.name for s in self.sinks],
+            "token_estimator": self.estimator.method,
+        }
+        out["slo"] = self.cfg.slo.model_dump()
+        out["cost_model"] = self.cfg.cost.model_dump()
+        return out

@@ -1,0 +1,97 @@
+"""Where ledger records go: an append-only JSONL file and/or a Redis Stream.
+
+One small interface (``write(batch)``, ``close()``), several implementations, as httpx does with
+transports. The accountant calls ``write`` with a batch of already-encoded records (orjson bytes,
+one JSON object each) from its background task, never from a request. A sink that fails keeps
+its batch and the accountant retries it at the next flush (bounded, see ``Accountant``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Protocol
+
+
+class Sink(Protocol):
+    name: str
+
+    async def write(self, batch: list[bytes]) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class JsonlSink:
+    """Appends one JSON object per line; each batch is written and fsync'ed in a worker thread."""
+
+    name = "jsonl"
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # O_APPEND: concurrent writers (several gateway processes) never interleave inside a line.
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def _write(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            n = os.write(self._fd, view)
+            view = view[n:]
+        os.fsync(self._fd)
+
+    async def write(self, batch: list[bytes]) -> None:
+        if batch:
+            await asyncio.to_thread(self._write, b"\n".join(batch) + b"\n")
+
+    async def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class RedisStreamSink:
+    """XADDs each record (field ``record``: the JSON bytes) to a stream, one pipeline per batch."""
+
+    name = "redis"
+
+    def __init__(self, url: str, stream: str):
+        import redis.asyncio as aioredis
+
+        self.stream = stream
+        self.client = aioredis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+
+    async def write(self, batch: list[bytes]) -> None:
+        if not batch:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for rec in batch:
+            pipe.xadd(self.stream, {"record": rec})
+        await pipe.execute()
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+class MemorySink:
+    """Keeps records in a list: the ``/usefulwork`` tests and embedding programs read it back."""
+
+    name = "memory"
+
+    def __init__(self) -> None:
+        self.records: list[bytes] = []
+
+    async def write(self, batch: list[bytes]) -> None:
+        self.records.extend(batch)
+
+    async def close(self) -> None:
+        return None
+
+
+def from_config(jsonl_path: str | None, redis_url: str | None, redis_stream: str) -> list[Sink]:
+    sinks: list[Sink] = []
+    if jsonl_path:
+        sinks.append(JsonlSink(jsonl_path))
+    if redis_url:
+        sinks.append(RedisStreamSink(redis_url, redis_stream))
+    return sinks

@@ -1,0 +1,297 @@
+"""Live useful-work windows (1 min, 5 min, 1 h, since start) per pool, per tenant and fleet-wide.
+
+Counters live in a ring of 5-second buckets covering one hour (plus running totals for "since
+start"), one ring per scope. A window is a whole number of buckets ending with the current one, and
+its GPU cost is the pools' cost over exactly that span, so counts and dollars always describe the
+same seconds. The JSON produced by :meth:`Stats.snapshot` is documented in docs/accounting.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+
+from usefulwork.gateway.costing import PoolMeter, Settled
+
+BUCKET_S = 5.0
+RING = 720  # one hour of 5-second buckets
+WINDOWS: dict[str, int | None] = {"1m": 12, "5m": 60, "1h": 720, "all": None}
+
+COLUMNS = (
+    "requests", "ok", "good", "judged", "shed", "error", "timeout", "client_cancelled", "rejected",
+    "prompt_tokens", "completion_tokens", "cached_tokens", "generated_tokens_ok", "estimated",
+    "price_usd", "attributed_usd", "idle_usd",
+    "cache_miss", "cache_hit_exact", "cache_hit_semantic", "cache_bypass",
+)
+C = {name: i for i, name in enumerate(COLUMNS)}
+_CACHE_COL = {"miss": C["cache_miss"], "hit-exact": C["cache_hit_exact"], "hit-semantic": C["cache_hit_semantic"],
+              "bypass": C["cache_bypass"]}
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What the windows need from one finished request (built by the accountant)."""
+
+    t_end: float  # wall clock
+    tenant: str
+    pool: str | None
+    outcome: str
+    slo_met: bool | None
+    cache: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    estimated: bool
+    price_usd: float
+
+
+class Ring:
+    """Per-bucket counters for one scope plus running totals."""
+
+    def __init__(self) -> None:
+        self.data = np.zeros((RING, len(COLUMNS)))
+        self.stamp = np.full(RING, -1, dtype=np.int64)
+        self.total = np.zeros(len(COLUMNS))
+
+    def add(self, t: float, row: np.ndarray) -> None:
+        b = int(t // BUCKET_S)
+        slot = b % RING
+        if self.stamp[slot] != b:
+            self.data[slot] = 0.0
+            self.stamp[slot] = b
+        self.data[slot] += row
+        self.total += row
+
+    def window(self, b_now: int, n: int | None) -> np.ndarray:
+        if n is None:
+            return self.total.copy()
+        mask = (self.stamp > b_now - n) & (self.stamp <= b_now)
+        return self.data[mask].sum(axis=0)
+
+
+def _row(o: Outcome) -> np.ndarray:
+    r = np.zeros(len(COLUMNS))
+    r[C["requests"]] = 1
+    if o.outcome in ("ok", "shed", "error", "timeout", "client_cancelled", "rejected"):
+        r[C[o.outcome]] = 1
+    if o.outcome != "rejected":
+        r[C["judged"]] = 1  # bad input is the client's failure, not the service's: out of the SLO rate
+    if o.slo_met:
+        r[C["good"]] = 1
+    r[C["prompt_tokens"]] = o.prompt_tokens
+    r[C["completion_tokens"]] = o.completion_tokens
+    r[C["cached_tokens"]] = o.cached_tokens
+    if o.outcome == "ok":
+        r[C["generated_tokens_ok"]] = o.completion_tokens
+    r[C["estimated"]] = 1 if o.estimated else 0
+    r[C["price_usd"]] = o.price_usd
+    col = _CACHE_COL.get(o.cache)
+    if col is not None:
+        r[col] = 1
+    return r
+
+
+def _per(usd: float, n: float, unit: float) -> float | None:
+    return usd * unit / n if n > 0 else None
+
+
+def _figures(v: np.ndarray, gpu_usd: float, idle_usd: float, window_s: float) -> dict:
+    ok, good, judged = v[C["ok"]], v[C["good"]], v[C["judged"]]
+    gen = v[C["generated_tokens_ok"]]
+    price = float(v[C["price_usd"]])
+    dropped = v[C["shed"]] + v[C["error"]] + v[C["timeout"]]
+    hits = v[C["cache_hit_exact"]] + v[C["cache_hit_semantic"]]
+    return {
+        "window_s": round(window_s, 3),
+        "requests": int(v[C["requests"]]),
+        "ok": int(ok),
+        "good": int(good),
+        "shed": int(v[C["shed"]]),
+        "error": int(v[C["error"]]),
+        "timeout": int(v[C["timeout"]]),
+        "client_cancelled": int(v[C["client_cancelled"]]),
+        "rejected": int(v[C["rejected"]]),
+        "dropped": int(dropped),
+        "slo_pass_rate": float(good / judged) if judged > 0 else None,
+        "prompt_tokens": int(v[C["prompt_tokens"]]),
+        "completion_tokens": int(v[C["completion_tokens"]]),
+        "cached_tokens": int(v[C["cached_tokens"]]),
+        "generated_tokens_ok": int(gen),
+        "estimated_usage": int(v[C["estimated"]]),
+        "cache": {
+            "miss": int(v[C["cache_miss"]]),
+            "hit_exact": int(v[C["cache_hit_exact"]]),
+            "hit_semantic": int(v[C["cache_hit_semantic"]]),
+            "bypass": int(v[C["cache_bypass"]]),
+            "hit_share": float(hits / v[C["requests"]]) if v[C["requests"]] > 0 else None,
+        },
+        "gpu": {
+            "cost_usd": gpu_usd,
+            "idle_usd": idle_usd,
+            "attributed_usd": gpu_usd - idle_usd,
+            "usd_per_1k_ok": _per(gpu_usd, ok, 1e3),
+            "usd_per_1k_good": _per(gpu_usd, good, 1e3),
+            "usd_per_1m_generated": _per(gpu_usd, gen, 1e6),
+        },
+        "price_sheet": {
+            "cost_usd": price,
+            "usd_per_1k_ok": _per(price, ok, 1e3),
+            "usd_per_1k_good": _per(price, good, 1e3),
+            "usd_per_1m_generated": _per(price, gen, 1e6),
+        },
+    }
+
+
+class Stats:
+    """The live windows. Single-threaded: only the event loop touches it."""
+
+    def __init__(self, meters: dict[str, PoolMeter]):
+        self.meters = meters
+        self.fleet = Ring()
+        self.pools: dict[str, Ring] = {name: Ring() for name in meters}
+        self.tenants: dict[str, Ring] = {}
+        self.started_at = min((m.started_at for m in meters.values()), default=None)
+
+    def _tenant(self, name: str) -> Ring:
+        ring = self.tenants.get(name)
+        if ring is None:
+            ring = self.tenants[name] = Ring()
+        return ring
+
+    # -- writes --
+    def add(self, o: Outcome) -> None:
+        row = _row(o)
+        self.fleet.add(o.t_end, row)
+        self._tenant(o.tenant).add(o.t_end, row)
+        if o.pool is not None:
+            ring = self.pools.get(o.pool)
+            if ring is None:
+                ring = self.pools[o.pool] = Ring()
+            ring.add(o.t_end, row)
+        if self.started_at is None:
+            self.started_at = o.t_end
+
+    def add_settled(self, items: Iterable[Settled]) -> None:
+        for s in items:
+            row = np.zeros(len(COLUMNS))
+            row[C["idle_usd"]] = s.idle_usd
+            row[C["attributed_usd"]] = s.usd - s.idle_usd
+            self.fleet.add(s.start, row)
+            self.pools[s.pool].add(s.start, row)
+            for tenant, usd in s.by_tenant.items():
+                trow = np.zeros(len(COLUMNS))
+                trow[C["attributed_usd"]] = usd
+                self._tenant(tenant).add(s.start, trow)
+
+    # -- reads --
+    def _span(self, now: float, n: int | None) -> tuple[int, float]:
+        b_now = int(now // BUCKET_S)
+        if n is None:
+            return b_now, self.started_at if self.started_at is not None else now
+        return b_now, (b_now - n + 1) * BUCKET_S
+
+    def _gpu(self, pools: Iterable[str], a: float, b: float, v: np.ndarray) -> tuple[float, float]:
+        """(cost, idle) of the given pools over [a, b]: time-based cost, settled + provisional idle."""
+        cost = idle = 0.0
+        for name in pools:
+            m = self.meters.get(name)
+            if m is None:
+                continue
+            cost += m.cost_between(a, b)
+            idle += m.provisional(a, b)[0]
+        return cost, idle + float(v[C["idle_usd"]])
+
+    def _tenant_usd(self, tenant: str, a: float, b: float, v: np.ndarray) -> float:
+        usd = float(v[C["attributed_usd"]])
+        for m in self.meters.values():
+            usd += m.provisional(a, b)[1].get(tenant, 0.0)
+        return usd
+
+    def windows(self, kind: str, name: str | None, now: float) -> dict:
+        out = {}
+        for label, n in WINDOWS.items():
+            b_now, a = self._span(now, n)
+            if kind == "fleet":
+                v = self.fleet.window(b_now, n)
+                cost, idle = self._gpu(self.meters, a, now, v)
+            elif kind == "pool":
+                v = self.pools[name].window(b_now, n)
+                cost, idle = self._gpu([name], a, now, v)
+            else:
+                v = self.tenants[name].window(b_now, n)
+                cost, idle = self._tenant_usd(name, a, now, v), 0.0
+            out[label] = _figures(v, cost, idle, now - max(a, self.started_at or a))
+        return out
+
+    def series(self, now: float, points: int = 60, step_buckets: int = 2, trailing: int = 12) -> dict:
+        """Fleet figures over time for the dashboard: each point covers the trailing minute."""
+        b_now = int(now // BUCKET_S)
+        out: dict[str, list] = {k: [] for k in (
+            "t", "usd_per_1k_ok", "usd_per_1k_good", "usd_per_1m_generated", "slo_pass_rate", "dropped",
+            "requests", "cache_hit_share")}
+        shares: dict[str, list] = {p: [] for p in self.pools}
+        for i in range(points - 1, -1, -1):
+            b = b_now - i * step_buckets
+            t_end = min((b + 1) * BUCKET_S, now)
+            a = (b - trailing + 1) * BUCKET_S
+            if self.started_at is None or t_end <= self.started_at:
+                continue
+            v = self.fleet.window(b, trailing)
+            cost = sum(m.cost_between(a, t_end) for m in self.meters.values())
+            f = _figures(v, cost, 0.0, t_end - a)
+            out["t"].append(round(t_end, 3))
+            out["usd_per_1k_ok"].append(f["gpu"]["usd_per_1k_ok"])
+            out["usd_per_1k_good"].append(f["gpu"]["usd_per_1k_good"])
+            out["usd_per_1m_generated"].append(f["gpu"]["usd_per_1m_generated"])
+            out["slo_pass_rate"].append(f["slo_pass_rate"])
+            out["dropped"].append(f["dropped"])
+            out["requests"].append(f["requests"])
+            out["cache_hit_share"].append(f["cache"]["hit_share"])
+            for p, ring in self.pools.items():
+                n = ring.window(b, trailing)[C["requests"]]
+                shares[p].append(float(n / v[C["requests"]]) if v[C["requests"]] > 0 else None)
+        out["route_share"] = shares
+        return out
+
+    def conservation(self) -> dict:
+        """Settled books: attributed + idle == cost of the settled up-time, per pool and in total."""
+        pools = {}
+        for name, m in self.meters.items():
+            settled_until = m.closed_at if m.closed else m.frontier
+            pools[name] = {
+                "settled_until": settled_until,
+                "cost_usd": m.cost_between(m.started_at, settled_until),
+                "attributed_usd": m.attributed_usd,
+                "idle_usd": m.idle_usd,
+            }
+        tot = {k: sum(p[k] for p in pools.values()) for k in ("cost_usd", "attributed_usd", "idle_usd")}
+        return {"pools": pools, **tot}
+
+    def snapshot(self, now: float, with_series: bool = False) -> dict:
+        out = {
+            "now": now,
+            "started_at": self.started_at,
+            "uptime_s": now - self.started_at if self.started_at is not None else 0.0,
+            "bucket_s": BUCKET_S,
+            "fleet": self.windows("fleet", None, now),
+            "pools": {
+                name: {
+                    "usd_per_hour": self.meters[name].rate * 3600.0 if name in self.meters else 0.0,
+                    "started_at": self.meters[name].started_at if name in self.meters else None,
+                    "windows": self.windows("pool", name, now),
+                }
+                for name in self.pools if name in self.meters
+            },
+            "tenants": {name: {"windows": self.windows("tenant", name, now)} for name in sorted(self.tenants)},
+            "conservation": self.conservation(),
+        }
+        if with_series:
+            out["series"] = self.series(now)
+        return out
+
+
+def finite(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None

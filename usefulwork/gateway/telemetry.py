@@ -1,0 +1,235 @@
+"""OpenTelemetry export of the ledger: metrics (GenAI semantic conventions + usefulwork's own) and a
+span per request.
+
+Metrics always reach Prometheus: the OTel Prometheus reader registers with
+``prometheus_client.REGISTRY``, which the gateway's ``/metrics`` serves. OTLP/HTTP export (metrics
+and spans) is added only when ``telemetry.otlp_endpoint`` is set. Everything here runs in the
+accountant's background task, never in a request.
+
+Names (Prometheus form in brackets):
+- ``gen_ai.client.token.usage`` [gen_ai_client_token_usage] histogram, ``gen_ai.token.type`` = input|output
+- ``gen_ai.client.operation.duration`` [gen_ai_client_operation_duration_seconds] histogram
+- ``gen_ai.server.time_to_first_token`` [gen_ai_server_time_to_first_token_seconds] histogram
+- ``gen_ai.server.time_per_output_token`` [gen_ai_server_time_per_output_token_seconds] histogram
+- ``usefulwork.requests`` [usefulwork_requests_total] by outcome, pool, tenant, cache, slo_met
+- ``usefulwork.generated.tokens`` [usefulwork_generated_tokens_total] completion tokens by outcome
+- ``usefulwork.cost.usd`` [usefulwork_cost_usd_total] by view = price_sheet | gpu_attributed | gpu_idle
+- ``usefulwork.gpu.cost.usd`` [usefulwork_gpu_cost_usd_total] each pool's GPU cost since it came up (live)
+- ``usefulwork.cache.lookups`` [usefulwork_cache_lookups_total] by result
+- ``usefulwork.routing.decisions`` [usefulwork_routing_decisions_total] by pool, route, reason
+- ``usefulwork.admission.decisions`` [usefulwork_admission_decisions_total] by decision = admitted|queued|shed|rejected
+- ``usefulwork.admission.queue_wait`` [usefulwork_admission_queue_wait_seconds] histogram
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable, Iterable, Sequence
+
+import orjson
+import prometheus_client
+from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from usefulwork.config import Config
+from usefulwork.gateway.context import RequestContext
+from usefulwork.gateway.costing import PoolMeter, Settled
+
+log = logging.getLogger("usefulwork.telemetry")
+
+# GenAI semconv advisory buckets.
+TOKEN_BUCKETS = [1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864]
+DURATION_BUCKETS = [0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92]
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0]
+TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
+
+OPERATION = {"chat": "chat", "completions": "text_completion"}
+
+# The Prometheus reader of the most recently built app. Registering a second one would make
+# /metrics repeat every series (tests build several apps in one process): the newest replaces it.
+_prom_lock = threading.Lock()
+_prom_current: Any = None
+
+
+def _install_prometheus_reader() -> MetricReader:
+    global _prom_current
+    from opentelemetry.exporter.prometheus import PrometheusMetricReader
+
+    with _prom_lock:
+        if _prom_current is not None:
+            _unregister(_prom_current)
+        reader = PrometheusMetricReader(disable_target_info=True, scope_info_enabled=False)
+        _prom_current = reader
+        return reader
+
+
+def _unregister(reader: Any) -> None:
+    collector = getattr(reader, "_collector", None)
+    if collector is None:
+        return
+    try:
+        prometheus_client.REGISTRY.unregister(collector)
+    except KeyError:
+        pass  # already gone
+
+
+def _release_prometheus_reader(reader: Any) -> None:
+    global _prom_current
+    with _prom_lock:
+        if _prom_current is reader:
+            _unregister(reader)
+            _prom_current = None
+
+
+class Telemetry:
+    """Owns the OTel providers of one gateway; ``record`` turns a finished request into metrics + a span."""
+
+    def __init__(self, cfg: Config, meters: dict[str, PoolMeter], *, prometheus: bool = True,
+                 metric_readers: Sequence[MetricReader] = (), span_exporters: Sequence[SpanExporter] = (),
+                 clock: Callable[[], float] = time.time):
+        self.cfg = cfg
+        self.record_prompts = cfg.telemetry.record_prompts
+        self._meters = meters
+        self._clock = clock
+        resource = Resource.create({"service.name": cfg.telemetry.service_name})
+        readers: list[MetricReader] = list(metric_readers)
+        self._prom = _install_prometheus_reader() if prometheus else None
+        if self._prom is not None:
+            readers.append(self._prom)
+        tracer_provider = TracerProvider(resource=resource)
+        for exp in span_exporters:
+            tracer_provider.add_span_processor(SimpleSpanProcessor(exp))
+        endpoint = cfg.telemetry.otlp_endpoint
+        if endpoint:
+            from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+            base = endpoint.rstrip("/")
+            readers.append(PeriodicExportingMetricReader(
+                OTLPMetricExporter(endpoint=f"{base}/v1/metrics"),
+                export_interval_millis=cfg.telemetry.export_interval_s * 1000))
+            tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=f"{base}/v1/traces")))
+        self.meter_provider = MeterProvider(resource=resource, metric_readers=readers)
+        self.tracer_provider = tracer_provider
+        self.tracer = tracer_provider.get_tracer("usefulwork.gateway")
+        self._instruments()
+
+    def _instruments(self) -> None:
+        m = self.meter_provider.get_meter("usefulwork.gateway")
+        self.token_usage = m.create_histogram(
+            "gen_ai.client.token.usage", unit="{token}", description="Input and output tokens per request.",
+            explicit_bucket_boundaries_advisory=TOKEN_BUCKETS)
+        self.duration = m.create_histogram(
+            "gen_ai.client.operation.duration", unit="s", description="End-to-end request duration.",
+            explicit_bucket_boundaries_advisory=DURATION_BUCKETS)
+        self.ttft = m.create_histogram(
+            "gen_ai.server.time_to_first_token", unit="s", description="Time to the first generated token.",
+            explicit_bucket_boundaries_advisory=TTFT_BUCKETS)
+        self.tpot = m.create_histogram(
+            "gen_ai.server.time_per_output_token", unit="s", description="Time per output token after the first.",
+            explicit_bucket_boundaries_advisory=TPOT_BUCKETS)
+        self.requests = m.create_counter("usefulwork.requests", unit="{request}",
+                                         description="Finished client requests by outcome.")
+        self.generated = m.create_counter("usefulwork.generated.tokens", unit="{token}",
+                                          description="Completion tokens by outcome (ok = useful).")
+        self.cost = m.create_counter("usefulwork.cost.usd", unit="{USD}",
+                                     description="Dollars by view: price_sheet, gpu_attributed, gpu_idle.")
+        m.create_observable_counter("usefulwork.gpu.cost.usd", callbacks=[self._gpu_cost], unit="{USD}",
+                                    description="Each pool's GPU cost since it came up (count x $/GPU-hour).")
+        self.cache = m.create_counter("usefulwork.cache.lookups", unit="{lookup}", description="Cache outcomes.")
+        self.routing = m.create_counter("usefulwork.routing.decisions", unit="{decision}",
+                                        description="Pool chosen per request, with the router's reason.")
+        self.admission = m.create_counter("usefulwork.admission.decisions", unit="{decision}",
+                                          description="Admission outcome per request.")
+        self.queue_wait = m.create_histogram("usefulwork.admission.queue_wait", unit="s",
+                                             description="Time a request waited for admission.",
+                                             explicit_bucket_boundaries_advisory=DURATION_BUCKETS)
+
+    def _gpu_cost(self, options: CallbackOptions) -> Iterable[Observation]:
+        now = self._clock()
+        return [Observation(m.cost_between(m.started_at, now), {"pool": name}) for name, m in self._meters.items()]
+
+    # -- per request --
+    def record(self, ctx: RequestContext, rec: dict) -> None:
+        op = OPERATION.get(ctx.endpoint, ctx.endpoint)
+        pool = ctx.pool or "none"
+        genai = {"gen_ai.operation.name": op, "gen_ai.provider.name": "vllm", "gen_ai.request.model": ctx.model}
+        if ctx.outcome != "ok":
+            genai["error.type"] = ctx.outcome
+        if ctx.usage_source != "none":
+            src = {"usefulwork.usage_source": ctx.usage_source}
+            self.token_usage.record(ctx.prompt_tokens, {**genai, **src, "gen_ai.token.type": "input"})
+            self.token_usage.record(ctx.completion_tokens, {**genai, **src, "gen_ai.token.type": "output"})
+        e2e, ttft, tpot = rec["e2e_ms"], rec["ttft_ms"], rec["tpot_ms"]
+        if e2e is not None:
+            self.duration.record(e2e / 1000.0, genai)
+        if ttft is not None and ctx.outcome == "ok":
+            self.ttft.record(ttft / 1000.0, genai)
+        if tpot is not None and ctx.outcome == "ok":
+            self.tpot.record(tpot / 1000.0, genai)
+        slo = "n/a" if ctx.slo_met is None else ("true" if ctx.slo_met else "false")
+        self.requests.add(1, {"outcome": ctx.outcome, "pool": pool, "tenant": ctx.tenant, "cache": ctx.cache,
+                              "slo_met": slo})
+        if ctx.completion_tokens:
+            self.generated.add(ctx.completion_tokens, {"outcome": ctx.outcome, "pool": pool, "tenant": ctx.tenant})
+        if ctx.cost_usd:
+            self.cost.add(ctx.cost_usd, {"view": "price_sheet", "pool": pool, "tenant": ctx.tenant})
+        if ctx.outcome != "rejected":
+            self.cache.add(1, {"result": ctx.cache})
+        if ctx.pool is not None:
+            self.routing.add(1, {"pool": ctx.pool, "route": ctx.route or "default",
+                                 "reason": ctx.route_reason or "none"})
+        decision = ("shed" if ctx.outcome == "shed" else "rejected" if ctx.outcome == "rejected"
+                    else "queued" if rec["queue_wait_ms"] > 1.0 else "admitted")
+        self.admission.add(1, {"decision": decision})
+        if ctx.t_admitted is not None:
+            self.queue_wait.record(rec["queue_wait_ms"] / 1000.0)
+        self._span(ctx, rec, op)
+
+    def record_settled(self, items: Iterable[Settled]) -> None:
+        for s in items:
+            if s.idle_usd:
+                self.cost.add(s.idle_usd, {"view": "gpu_idle", "pool": s.pool, "tenant": "idle"})
+            for tenant, usd in s.by_tenant.items():
+                self.cost.add(usd, {"view": "gpu_attributed", "pool": s.pool, "tenant": tenant})
+
+    def _span(self, ctx: RequestContext, rec: dict, op: str) -> None:
+        start_ns = int(ctx.wall_start * 1e9)
+        end_ns = start_ns + int((rec["e2e_ms"] or 0.0) * 1e6)
+        attrs: dict[str, Any] = {
+            "gen_ai.operation.name": op,
+            "gen_ai.provider.name": "vllm",
+            "gen_ai.request.model": ctx.model,
+            "gen_ai.usage.input_tokens": ctx.prompt_tokens,
+            "gen_ai.usage.output_tokens": ctx.completion_tokens,
+        }
+        if ctx.max_tokens is not None:
+            attrs["gen_ai.request.max_tokens"] = ctx.max_tokens
+        if ctx.replica:
+            attrs["server.address"] = ctx.replica
+        for key, value in rec.items():
+            if value is not None and key not in ("model",):
+                attrs[f"usefulwork.{key}"] = value
+        if self.record_prompts and ctx.prompt_payload is not None:
+            attrs["gen_ai.input.messages"] = orjson.dumps(ctx.prompt_payload, default=str).decode()[:16384]
+        span = self.tracer.start_span(f"{op} {ctx.model}", kind=SpanKind.SERVER, start_time=start_ns,
+                                      attributes=attrs)
+        if ctx.outcome in ("error", "timeout"):
+            span.set_status(Status(StatusCode.ERROR, ctx.error or ctx.outcome))
+            span.set_attribute("error.type", ctx.outcome)
+        span.end(end_time=max(end_ns, start_ns))
+
+    def shutdown(self) -> None:
+        try:
+            self.tracer_provider.shutdown()
+            self.meter_provider.shutdown()
+        finally:
+            if self._prom is not None:
+                _release_prometheus_reader(self._prom)
