@@ -1,24 +1,64 @@
-"""Per-request accounting: the ledger, cost, and the stats/dashboard routes.
+"""Per-request accounting wired for the gateway: the ledger's accountant and the stats/dashboard routes.
 
-PLACEHOLDER owned by the accounting work (issue 4): ``build`` returns the bundle the gateway wires in.
+``build(cfg, fleet)`` returns an :class:`AccountingBundle`: the gateway calls
+``bundle.accountant.start()`` at start-up, ``bundle.accountant.finish(ctx)`` once per finished
+request, ``await bundle.accountant.stop()`` at shutdown, and mounts ``bundle.routes``:
+
+- ``GET /usefulwork/stats``: the live useful-work windows as JSON (``?series=1`` adds the dashboard's
+  time series); fields in docs/accounting.md.
+- ``GET /usefulwork/dashboard``: a self-contained live page (no front-end build, no CDN).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from starlette.routing import BaseRoute
+import orjson
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, Response
+from starlette.routing import BaseRoute, Route
 
 from usefulwork.backends.fleet import Fleet
 from usefulwork.config import Config
-from usefulwork.gateway.context import Accountant, NullAccountant
+from usefulwork.gateway.ledger import Accountant
+from usefulwork.gateway.sinks import Sink, from_config
+from usefulwork.gateway.telemetry import Telemetry
+
+DASHBOARD = Path(__file__).with_name("static") / "dashboard.html"
 
 
 @dataclass
 class AccountingBundle:
     accountant: Accountant
     routes: list[BaseRoute] = field(default_factory=list)
+    telemetry: Telemetry | None = None
 
 
-def build(cfg: Config, fleet: Fleet) -> AccountingBundle:
-    return AccountingBundle(accountant=NullAccountant())
+def _routes(accountant: Accountant) -> list[BaseRoute]:
+    page = DASHBOARD.read_bytes()
+
+    async def stats(request: Request) -> Response:
+        with_series = request.query_params.get("series") in ("1", "true", "yes")
+        body = orjson.dumps(accountant.snapshot(with_series), option=orjson.OPT_SERIALIZE_NUMPY)
+        return Response(body, media_type="application/json", headers={"Cache-Control": "no-store"})
+
+    async def dashboard(request: Request) -> Response:
+        return HTMLResponse(page, headers={"Cache-Control": "no-store"})
+
+    return [
+        Route("/usefulwork/stats", stats, methods=["GET"]),
+        Route("/usefulwork/dashboard", dashboard, methods=["GET"]),
+    ]
+
+
+def build(cfg: Config, fleet: Fleet, *, sinks: list[Sink] | None = None,
+          telemetry: Telemetry | None = None) -> AccountingBundle:
+    """Sinks and telemetry come from cfg unless given (tests pass in-memory ones)."""
+    if sinks is None:
+        sinks = from_config(cfg.ledger.jsonl_path, cfg.ledger.redis_url, cfg.ledger.redis_stream)
+    accountant = Accountant(cfg, fleet, sinks)
+    if telemetry is None:
+        telemetry = Telemetry(cfg, accountant.meters)
+    accountant.telemetry = telemetry
+    return AccountingBundle(accountant=accountant, routes=_routes(accountant), telemetry=telemetry)
