@@ -1,0 +1,457 @@
+"""The simulated server's HTTP API: vLLM's OpenAI-compatible endpoints, /health and /metrics.
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
+GET /metrics, GET /version, GET /sim/info (simulator-only: the resolved spec).
+
+The handlers validate like vLLM (same error JSON shape and status codes), hand the request to the
+engine and wait on a per-request sink. Streams coalesce every token that arrived since the last
+write into one chunk, as vLLM V1's output collector does when the client side lags: a busy host
+sends fewer, larger chunks instead of falling further behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import orjson
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from usefulwork.backends.sim import metrics
+from usefulwork.backends.sim.engine import SimEngine
+from usefulwork.backends.sim.realtime import RealtimeRunner
+from usefulwork.backends.sim.scheduler import SimRequest
+from usefulwork.backends.sim.tokens import SimTokenizer, synthetic_logprobs
+
+SIM_VERSION = "0.32.0+usefulwork-sim"
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "BadRequestError", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+
+
+def error_response(status: int, message: str, type_: str = "BadRequestError", param: str | None = None) -> Response:
+    body = {"error": {"message": message, "type": type_, "param": param, "code": status}}
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json")
+
+
+def _json(data: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(data), status_code=status, media_type="application/json")
+
+
+@dataclass(eq=False)
+class StreamSink:
+    """Receives tokens from the engine loop; the handler awaits it."""
+
+    tokens: list[int] = field(default_factory=list)
+    finished: bool = False
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def on_tokens(self, req: SimRequest, token_ids: list[int], finished: bool) -> None:
+        self.tokens.extend(token_ids)
+        if finished:
+            self.finished = True
+        self.event.set()
+
+    async def drain(self) -> tuple[list[int], bool]:
+        """Wait for new tokens; return them (possibly several) and whether the request ended."""
+        while not self.tokens and not self.finished:
+            self.event.clear()
+            await self.event.wait()
+        out, self.tokens = self.tokens, []
+        return out, self.finished
+
+
+@dataclass
+class ParsedRequest:
+    kind: str  # "chat" | "completion"
+    prompt_ids: list[int]
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    ignore_eos: bool
+    logprobs: int | None  # number of top alternatives (0 = only the sampled token), None = off
+    seed: int | None
+    echo_prompt: str | None = None
+
+
+class SimServer:
+    """State shared by the routes: the engine, its real-time runner and the tokenizer."""
+
+    def __init__(self, engine: SimEngine, tokenizer: SimTokenizer, served_model_name: str, time_scale: float = 1.0):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.served_model_name = served_model_name
+        self.runner = RealtimeRunner(engine, time_scale)
+        self.created = int(time.time())
+        self.max_model_len = engine.spec.max_model_len
+        self.max_logprobs = engine.spec.flags.max_logprobs
+
+    # -- validation (vLLM's rules and messages) --
+    def _check_model(self, body: dict[str, Any]) -> None:
+        model = body.get("model")
+        if model is not None and model != self.served_model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+
+    def _max_tokens(self, body: dict[str, Any], prompt_len: int, kind: str) -> int:
+        key = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None else "max_tokens"
+        value = body.get(key)
+        room = self.max_model_len - prompt_len
+        if value is None:
+            return room
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise APIError(400, f"{key} must be at least 1, got {value}.", param=key)
+        if value > room:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{value} output tokens and your prompt contains {prompt_len} input tokens, for a total of "
+                f"{value + prompt_len} tokens ({prompt_len} in the input, {value} in the output). Please reduce "
+                "the length of the input prompt or the number of requested output tokens.",
+                param=key,
+            )
+        return value
+
+    def _check_prompt_len(self, n: int) -> None:
+        if n > self.max_model_len - 1:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt contains "
+                f"{n} input tokens, which exceeds this limit even without any output tokens. Please reduce the "
+                "length of the input prompt.",
+                param="input_tokens",
+            )
+        if n == 0:
+            raise APIError(400, "The prompt cannot be empty.", param="prompt")
+
+    def _stream_opts(self, body: dict[str, Any]) -> tuple[bool, bool, bool]:
+        stream = bool(body.get("stream", False))
+        opts = body.get("stream_options") or {}
+        if opts and not stream:
+            raise APIError(400, "Stream options can only be defined when `stream=True`.", param="stream_options")
+        return stream, bool(opts.get("include_usage", False)), bool(opts.get("continuous_usage_stats", False))
+
+    def _common(self, body: dict[str, Any]) -> None:
+        n = body.get("n", 1)
+        if n not in (None, 1):
+            raise APIError(400, "The simulator supports n=1 only.", param="n")
+        temp = body.get("temperature")
+        if temp is not None and (not isinstance(temp, (int, float)) or temp < 0):
+            raise APIError(400, "temperature must be non-negative.", param="temperature")
+
+    def parse_chat(self, body: dict[str, Any]) -> ParsedRequest:
+        self._check_model(body)
+        self._common(body)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise APIError(400, "messages must be a non-empty list of message objects.", param="messages")
+        for m in messages:
+            if not isinstance(m.get("role"), str):
+                raise APIError(400, "every message needs a string `role`.", param="messages")
+        top = body.get("top_logprobs")
+        want_lp = bool(body.get("logprobs", False))
+        if top is not None:
+            if not isinstance(top, int) or isinstance(top, bool) or top < 0:
+                raise APIError(400, "`top_logprobs` must be a positive value.", param="top_logprobs")
+            if top > 0 and not want_lp:
+                raise APIError(400, "when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs")
+            if top > self.max_logprobs:
+                raise APIError(
+                    400, f"Requested sample logprobs of {top}, which is greater than max allowed: {self.max_logprobs}",
+                    param="top_logprobs",
+                )
+        ids = self.tokenizer.encode_chat(messages, add_generation_prompt=bool(body.get("add_generation_prompt", True)))
+        self._check_prompt_len(len(ids))
+        stream, include_usage, continuous = self._stream_opts(body)
+        return ParsedRequest(
+            kind="chat", prompt_ids=ids, max_tokens=self._max_tokens(body, len(ids), "chat"), stream=stream,
+            include_usage=include_usage, continuous_usage=continuous, ignore_eos=bool(body.get("ignore_eos", False)),
+            logprobs=(top or 0) if want_lp else None, seed=_int_or_none(body.get("seed")),
+        )
+
+    def parse_completion(self, body: dict[str, Any]) -> ParsedRequest:
+        self._check_model(body)
+        self._common(body)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+        elif isinstance(prompt, list) and len(prompt) > 1:
+            raise APIError(400, "The simulator supports one prompt per request.", param="prompt")
+        else:
+            raise APIError(400, "prompt must be a string or a list of token ids.", param="prompt")
+        lp = body.get("logprobs")
+        if lp is not None:
+            if not isinstance(lp, int) or isinstance(lp, bool) or lp < 0:
+                raise APIError(400, "`logprobs` must be a positive value.", param="logprobs")
+            if lp > self.max_logprobs:
+                raise APIError(
+                    400, f"Requested sample logprobs of {lp}, which is greater than max allowed: {self.max_logprobs}",
+                    param="logprobs",
+                )
+        self._check_prompt_len(len(ids))
+        stream, include_usage, continuous = self._stream_opts(body)
+        return ParsedRequest(
+            kind="completion", prompt_ids=ids, max_tokens=self._max_tokens(body, len(ids), "completion"),
+            stream=stream, include_usage=include_usage, continuous_usage=continuous,
+            ignore_eos=bool(body.get("ignore_eos", False)), logprobs=lp, seed=_int_or_none(body.get("seed")),
+        )
+
+    # -- responses --
+    def usage(self, req: SimRequest) -> dict[str, Any]:
+        p, c = req.num_prompt_tokens, req.num_output_tokens
+        return {
+            "prompt_tokens": p,
+            "total_tokens": p + c,
+            "completion_tokens": c,
+            "prompt_tokens_details": {"cached_tokens": max(0, req.num_cached_tokens)},
+        }
+
+    def chat_logprobs(self, req: SimRequest, start: int, token_ids: list[int], k: int) -> dict[str, Any]:
+        content = []
+        for i, tid in enumerate(token_ids, start):
+            lp, top = synthetic_logprobs(req.rng_seed, i, tid, self.tokenizer.vocab_ids, max(k, 1))
+            piece = self.tokenizer.piece(tid).text
+            content.append({
+                "token": piece,
+                "logprob": lp,
+                "bytes": list(piece.encode()),
+                "top_logprobs": [
+                    {"token": (t := self.tokenizer.piece(a).text), "logprob": v, "bytes": list(t.encode())}
+                    for a, v in top[:k]
+                ],
+            })
+        return {"content": content}
+
+    def completion_logprobs(self, req: SimRequest, start: int, token_ids: list[int], k: int, offset: int) -> dict[str, Any]:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for i, tid in enumerate(token_ids, start):
+            lp, top = synthetic_logprobs(req.rng_seed, i, tid, self.tokenizer.vocab_ids, max(k, 1))
+            piece = self.tokenizer.piece(tid).text
+            tokens.append(piece)
+            token_lps.append(lp)
+            offsets.append(offset)
+            offset += len(piece)
+            tops.append({self.tokenizer.piece(a).text: v for a, v in top[: max(k, 1)]} if k >= 0 else None)
+        return {"text_offset": offsets, "token_logprobs": token_lps, "tokens": tokens, "top_logprobs": tops}
+
+    def text(self, token_ids: list[int]) -> str:
+        piece = self.tokenizer.piece
+        return "".join(piece(t).text for t in token_ids)
+
+
+def _int_or_none(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+async def _body(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise APIError(400, f"Invalid JSON body: {exc}", param=None) from None
+    if not isinstance(data, dict):
+        raise APIError(400, "The request body must be a JSON object.")
+    return data
+
+
+def build_app(server: SimServer) -> Starlette:
+    async def chat_completions(request: Request) -> Response:
+        return await _generate(request, "chat")
+
+    async def completions(request: Request) -> Response:
+        return await _generate(request, "completion")
+
+    async def _generate(request: Request, kind: str) -> Response:
+        try:
+            body = await _body(request)
+            parsed = server.parse_chat(body) if kind == "chat" else server.parse_completion(body)
+        except APIError as e:
+            return error_response(e.status, e.message, e.type, e.param)
+        sink = StreamSink()
+        prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+        rid = prefix + uuid.uuid4().hex
+        req = server.runner.submit(
+            parsed.prompt_ids, parsed.max_tokens, ignore_eos=parsed.ignore_eos, seed=parsed.seed, sink=sink,
+            request_id=rid,
+        )
+        created = int(time.time())
+        if parsed.stream:
+            gen = _stream_chat(req, sink, parsed, rid, created) if kind == "chat" else _stream_completion(
+                req, sink, parsed, rid, created)
+            return StreamingResponse(gen, media_type="text/event-stream")
+        try:
+            tokens: list[int] = []
+            while True:
+                new, done = await sink.drain()
+                tokens.extend(new)
+                if done:
+                    break
+        except asyncio.CancelledError:
+            server.runner.abort(req)
+            raise
+        text = server.text(tokens)
+        if kind == "chat":
+            lp = server.chat_logprobs(req, 0, tokens, parsed.logprobs) if parsed.logprobs is not None else None
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text, "refusal": None, "annotations": None,
+                            "audio": None, "function_call": None, "tool_calls": [], "reasoning_content": None},
+                "logprobs": lp, "finish_reason": req.finish_reason, "stop_reason": None,
+            }
+            obj = "chat.completion"
+        else:
+            lp = (server.completion_logprobs(req, 0, tokens, parsed.logprobs, 0)
+                  if parsed.logprobs is not None else None)
+            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": req.finish_reason,
+                      "stop_reason": None, "prompt_logprobs": None}
+            obj = "text_completion"
+        return _json({
+            "id": rid, "object": obj, "created": created, "model": server.served_model_name,
+            "choices": [choice], "service_tier": None, "system_fingerprint": None,
+            "usage": server.usage(req), "prompt_logprobs": None, "kv_transfer_params": None,
+        })
+
+    def _sse(obj: dict[str, Any]) -> bytes:
+        return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+    async def _stream_chat(req: SimRequest, sink: StreamSink, p: ParsedRequest, rid: str, created: int) -> AsyncIterator[bytes]:
+        model = server.served_model_name
+        base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+        sent = 0
+        try:
+            first = {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                          "logprobs": None, "finish_reason": None}]}
+            if p.continuous_usage:
+                first["usage"] = {"prompt_tokens": req.num_prompt_tokens, "total_tokens": req.num_prompt_tokens,
+                                  "completion_tokens": 0}
+            yield _sse(first)
+            while True:
+                new, done = await sink.drain()
+                if new:
+                    choice: dict[str, Any] = {
+                        "index": 0, "delta": {"content": server.text(new)},
+                        "logprobs": server.chat_logprobs(req, sent, new, p.logprobs) if p.logprobs is not None else None,
+                        "finish_reason": req.finish_reason if done else None,
+                    }
+                    if done:
+                        choice["stop_reason"] = None
+                    sent += len(new)
+                    chunk = {**base, "choices": [choice]}
+                    if p.continuous_usage:
+                        chunk["usage"] = _partial_usage(req, sent)
+                    yield _sse(chunk)
+                if done:
+                    break
+            if p.include_usage:
+                yield _sse({**base, "choices": [], "usage": server.usage(req)})
+            yield b"data: [DONE]\n\n"
+        finally:
+            if not sink.finished:
+                server.runner.abort(req)  # client went away: free the simulated KV cache
+
+    async def _stream_completion(req: SimRequest, sink: StreamSink, p: ParsedRequest, rid: str, created: int) -> AsyncIterator[bytes]:
+        base = {"id": rid, "object": "text_completion", "created": created, "model": server.served_model_name}
+        sent = 0
+        offset = 0
+        try:
+            while True:
+                new, done = await sink.drain()
+                if new:
+                    text = server.text(new)
+                    lp = server.completion_logprobs(req, sent, new, p.logprobs, offset) if p.logprobs is not None else None
+                    offset += len(text)
+                    sent += len(new)
+                    choice = {"index": 0, "text": text, "logprobs": lp,
+                              "finish_reason": req.finish_reason if done else None, "stop_reason": None}
+                    chunk = {**base, "choices": [choice]}
+                    if p.continuous_usage:
+                        chunk["usage"] = _partial_usage(req, sent)
+                    yield _sse(chunk)
+                if done:
+                    break
+            if p.include_usage:
+                yield _sse({**base, "choices": [], "usage": server.usage(req)})
+            yield b"data: [DONE]\n\n"
+        finally:
+            if not sink.finished:
+                server.runner.abort(req)
+
+    def _partial_usage(req: SimRequest, sent: int) -> dict[str, int]:
+        return {"prompt_tokens": req.num_prompt_tokens, "total_tokens": req.num_prompt_tokens + sent,
+                "completion_tokens": sent}
+
+    async def models(request: Request) -> Response:
+        return _json({"object": "list", "data": [{
+            "id": server.served_model_name, "object": "model", "created": server.created, "owned_by": "vllm",
+            "root": server.engine.spec.model.name, "parent": None, "max_model_len": server.max_model_len,
+            "permission": [{
+                "id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": server.created,
+                "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                "organization": "*", "group": None, "is_blocking": False,
+            }],
+        }]})
+
+    async def health(request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def metrics_route(request: Request) -> Response:
+        return Response(metrics.render(server.engine, server.served_model_name),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def version(request: Request) -> Response:
+        return _json({"version": SIM_VERSION})
+
+    async def sim_info(request: Request) -> Response:
+        info = server.engine.spec.describe()
+        info.update(time_scale=server.runner.time_scale, seed=server.engine.seed, sim_now=server.runner.sim_now(),
+                    lag_s=server.runner.lag_s, tokenizer_exact=server.tokenizer.exact,
+                    served_model_name=server.served_model_name)
+        return _json(info)
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        return error_response(404, "Not Found", "NotFoundError")
+
+    async def method_not_allowed(request: Request, exc: Exception) -> Response:
+        return error_response(405, "Method Not Allowed", "MethodNotAllowed")
+
+    async def server_error(request: Request, exc: Exception) -> Response:
+        return error_response(500, "Internal server error", "InternalServerError")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        server.runner.start()
+        try:
+            yield
+        finally:
+            await server.runner.stop()
+
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics_route, methods=["GET"]),
+            Route("/version", version, methods=["GET"]),
+            Route("/sim/info", sim_info, methods=["GET"]),
+        ],
+        exception_handlers={404: not_found, 405: method_not_allowed, 500: server_error},
+        lifespan=lifespan,
+    )
+    app.state.sim = server  # tests and tools reach the engine through here
+    return app
