@@ -129,7 +129,7 @@ class TokenEstimator:
                     ids = tok.apply_chat_template(
                         [{"role": m.get("role", "user"), "content": _message_text(m.get("content"))} for m in payload],
                         tokenize=True, add_generation_prompt=True)
-                    if isinstance(ids, dict):  # newer transformers return a BatchEncoding
+                    if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
                         ids = ids["input_ids"]
                     return len(ids)
                 except Exception:
