@@ -41,7 +41,7 @@ def test_summary_hand_computed():
     s = summarize(results, slo=slo, usd_per_hour=3.6)
     assert s["duration"] == pytest.approx(10.0)
     assert s["completed"] == 2 and s["failed"] == 2 and s["dropped"] == 2
-    assert s["outcomes"] == {"ok": 2, "shed": 1, "error": 0, "timeout": 1, "client_cancelled": 0}
+    assert s["outcome_counts"] == {"ok": 2, "shed": 1, "error": 0, "timeout": 1, "client_cancelled": 0}
     assert s["total_input_tokens"] == 200 and s["total_output_tokens"] == 42
     assert s["request_throughput"] == pytest.approx(0.2)
     assert s["output_throughput"] == pytest.approx(4.2)

@@ -1,0 +1,100 @@
+"""Disconnect cancels upstream work; a replica dying mid-run never hangs a client."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+from urllib.parse import urlparse
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.conftest import pool_cfg, start_gateway
+from tests.faults import KillableForwarder
+
+pytestmark = pytest.mark.vllm
+
+LONG = {"messages": [{"role": "user", "content": "Write a very long story about a lighthouse."}],
+        "max_tokens": 1500, "ignore_eos": True, "stream": True}
+
+
+def _wait_running(vllm_server, target: float, timeout: float) -> float:
+    deadline = time.monotonic() + timeout
+    value = vllm_server.metric("vllm:num_requests_running")
+    while time.monotonic() < deadline:
+        value = vllm_server.metric("vllm:num_requests_running")
+        if value <= target:
+            return value
+        time.sleep(0.2)
+    return value
+
+
+def test_client_disconnect_cancels_upstream(gateway, vllm_server):
+    baseline = _wait_running(vllm_server, 0, 30)
+    body = dict(LONG, model=vllm_server.model)
+    with httpx.Client(timeout=60) as c:
+        with c.stream("POST", gateway.v1 + "/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            # Keep reading while vLLM's gauge (updated about every 0.5 s) shows the request running.
+            deadline = time.monotonic() + 10
+            running = baseline
+            for line in r.iter_lines():
+                running = vllm_server.metric("vllm:num_requests_running")
+                if running >= baseline + 1 or time.monotonic() > deadline:
+                    break
+            assert running >= baseline + 1, "the long request should be running on vLLM"
+        # leaving the block closes the connection mid-stream: the client is gone
+    after = _wait_running(vllm_server, baseline, 10)
+    assert after <= baseline, f"vLLM still runs the abandoned request (running={after}, baseline={baseline})"
+
+
+def test_failover_when_a_replica_dies_mid_run(vllm_server, tmp_path):
+    u = urlparse(vllm_server.base_url)
+    fwd = KillableForwarder(u.hostname, u.port).start()
+    gw = start_gateway(tmp_path, pool_cfg(vllm_server.model, [fwd.url, vllm_server.base_url]))
+    try:
+        client = openai.OpenAI(base_url=gw.v1, api_key="x", max_retries=0, timeout=60)
+
+        def unary(i):
+            r = client.chat.completions.create(model=vllm_server.model, max_tokens=4,
+                                               messages=[{"role": "user", "content": f"Number {i}?"}])
+            return r.choices[0].message.content is not None
+
+        # A stream pinned through the doomed replica (it is the least loaded at first, both idle).
+        doomed = client.chat.completions.create(model=vllm_server.model, messages=LONG["messages"], max_tokens=400,
+                                                stream=True, extra_body={"ignore_eos": True})
+        first = next(iter(doomed))
+        assert first is not None
+        with cf.ThreadPoolExecutor(4) as ex:
+            before = list(ex.map(unary, range(4)))
+            fwd.kill()  # the replica dies: resets every open connection, refuses new ones
+            t0 = time.monotonic()
+            with pytest.raises(openai.APIError):
+                for _ in doomed:  # must end with the SSE error event, never hang
+                    pass
+            assert time.monotonic() - t0 < 30
+            after = list(ex.map(unary, range(12)))
+        assert all(before) and all(after), "requests after the failure must be served by the surviving replica"
+        ready = httpx.get(gw.url + "/readyz").json()
+        states = {r["url"]: r["healthy"] for r in ready["pools"]["local"]["replicas"]}
+        assert states[fwd.url] is False and states[vllm_server.base_url] is True
+    finally:
+        gw.stop()
+        fwd.close()
+
+
+def test_retry_before_first_byte_hides_a_dead_replica(vllm_server, tmp_path):
+    """A replica that is down from the start: every request still succeeds (retried on the other)."""
+    u = urlparse(vllm_server.base_url)
+    fwd = KillableForwarder(u.hostname, u.port).start()
+    dead = fwd.url
+    fwd.close()  # nothing listens there any more
+    gw = start_gateway(tmp_path, pool_cfg(vllm_server.model, [dead, vllm_server.base_url]))
+    try:
+        client = openai.OpenAI(base_url=gw.v1, api_key="x", max_retries=0, timeout=60)
+        for i in range(5):
+            stream = client.completions.create(model=vllm_server.model, prompt=f"{i} +", max_tokens=3, stream=True)
+            assert "".join(c.choices[0].text for c in stream if c.choices) is not None
+    finally:
+        gw.stop()
