@@ -30,7 +30,8 @@ from usefulwork.backends.sim.realtime import RealtimeRunner
 from usefulwork.backends.sim.scheduler import SimRequest
 from usefulwork.backends.sim.tokens import SimTokenizer, synthetic_logprobs
 
-SIM_VERSION = "0.32.0+usefulwork-sim"
+SIM_VERSION = "0.32.0+usefulwork-sim"  # the vLLM API version this simulator follows
+SYSTEM_FINGERPRINT = "vllm-sim-0.32.0"
 
 
 class APIError(Exception):
@@ -101,38 +102,43 @@ class SimServer:
     def _check_model(self, body: dict[str, Any]) -> None:
         model = body.get("model")
         if model is not None and model != self.served_model_name:
-            raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+            raise APIError(404, f"The model `{model}` does not exist. Valid aliases: {self.served_model_name}.",
+                           "NotFoundError", "model")
 
     def _max_tokens(self, body: dict[str, Any], prompt_len: int, kind: str) -> int:
+        # vLLM: above max_model_len is an error; otherwise clamped to the room the prompt leaves.
         key = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None else "max_tokens"
         value = body.get(key)
-        room = self.max_model_len - prompt_len
-        if value is None:
-            return room
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise APIError(400, f"{key} must be at least 1, got {value}.", param=key)
-        if value > room:
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise APIError(400, f"{key} must be an integer. (parameter={key}, value={value})", param=key)
+        if value is not None and value > self.max_model_len:
             raise APIError(
                 400,
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{value} output tokens and your prompt contains {prompt_len} input tokens, for a total of "
-                f"{value + prompt_len} tokens ({prompt_len} in the input, {value} in the output). Please reduce "
-                "the length of the input prompt or the number of requested output tokens.",
+                f"{key}={value} cannot be greater than max_model_len={self.max_model_len}. Please request fewer "
+                f"output tokens. (parameter={key}, value={value})",
                 param=key,
             )
-        return value
+        room = self.max_model_len - prompt_len
+        n = room if value is None else min(value, room)
+        if n < 1:
+            raise APIError(400, f"max_tokens must be at least 1, got {n}. (parameter=max_tokens, value={n})",
+                           param="max_tokens")
+        return n
 
     def _check_prompt_len(self, n: int) -> None:
-        if n > self.max_model_len - 1:
+        if n > self.max_model_len:
+            # vLLM tokenizes with truncation at max_model_len + 1, hence "at least".
+            shown = min(n, self.max_model_len + 1)
+            qualifier = "at least " if shown == self.max_model_len + 1 else ""
             raise APIError(
                 400,
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt contains "
-                f"{n} input tokens, which exceeds this limit even without any output tokens. Please reduce the "
-                "length of the input prompt.",
+                f"{qualifier}{shown} input tokens, which exceeds this limit even without any output tokens. Please "
+                f"reduce the length of the input prompt. (parameter=input_tokens, value={shown})",
                 param="input_tokens",
             )
         if n == 0:
-            raise APIError(400, "The prompt cannot be empty.", param="prompt")
+            raise APIError(400, "The prompt cannot be empty. (parameter=prompt)", param="prompt")
 
     def _stream_opts(self, body: dict[str, Any]) -> tuple[bool, bool, bool]:
         stream = bool(body.get("stream", False))
@@ -164,11 +170,12 @@ class SimServer:
             if not isinstance(top, int) or isinstance(top, bool) or top < 0:
                 raise APIError(400, "`top_logprobs` must be a positive value.", param="top_logprobs")
             if top > 0 and not want_lp:
-                raise APIError(400, "when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs")
+                raise APIError(400, "when using `top_logprobs`, `logprobs` must be set to true. (parameter=top_logprobs)",
+                               param="top_logprobs")
             if top > self.max_logprobs:
                 raise APIError(
-                    400, f"Requested sample logprobs of {top}, which is greater than max allowed: {self.max_logprobs}",
-                    param="top_logprobs",
+                    400, f"Requested sample logprobs of {top}, which is greater than max allowed: "
+                    f"{self.max_logprobs} (parameter=logprobs, value={top})", param="logprobs",
                 )
         ids = self.tokenizer.encode_chat(messages, add_generation_prompt=bool(body.get("add_generation_prompt", True)))
         self._check_prompt_len(len(ids))
@@ -199,8 +206,8 @@ class SimServer:
                 raise APIError(400, "`logprobs` must be a positive value.", param="logprobs")
             if lp > self.max_logprobs:
                 raise APIError(
-                    400, f"Requested sample logprobs of {lp}, which is greater than max allowed: {self.max_logprobs}",
-                    param="logprobs",
+                    400, f"Requested sample logprobs of {lp}, which is greater than max allowed: "
+                    f"{self.max_logprobs} (parameter=logprobs, value={lp})", param="logprobs",
                 )
         self._check_prompt_len(len(ids))
         stream, include_usage, continuous = self._stream_opts(body)
@@ -217,7 +224,9 @@ class SimServer:
             "prompt_tokens": p,
             "total_tokens": p + c,
             "completion_tokens": c,
-            "prompt_tokens_details": {"cached_tokens": max(0, req.num_cached_tokens)},
+            "prompt_tokens_details": {"cached_tokens": max(0, req.num_cached_tokens), "created_cache_tokens": 0,
+                                      "multimodal_tokens": None},
+            "completion_tokens_details": None,
         }
 
     def chat_logprobs(self, req: SimRequest, start: int, token_ids: list[int], k: int) -> dict[str, Any]:
@@ -309,20 +318,23 @@ def build_app(server: SimServer) -> Starlette:
             choice = {
                 "index": 0,
                 "message": {"role": "assistant", "content": text, "refusal": None, "annotations": None,
-                            "audio": None, "function_call": None, "tool_calls": [], "reasoning_content": None},
-                "logprobs": lp, "finish_reason": req.finish_reason, "stop_reason": None,
+                            "audio": None, "function_call": None, "reasoning": None},
+                "logprobs": lp, "finish_reason": req.finish_reason, "stop_reason": None, "token_ids": None,
+                "routed_experts": None,
             }
             obj = "chat.completion"
         else:
             lp = (server.completion_logprobs(req, 0, tokens, parsed.logprobs, 0)
                   if parsed.logprobs is not None else None)
             choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": req.finish_reason,
-                      "stop_reason": None, "prompt_logprobs": None}
+                      "stop_reason": None, "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None,
+                      "routed_experts": None}
             obj = "text_completion"
         return _json({
             "id": rid, "object": obj, "created": created, "model": server.served_model_name,
-            "choices": [choice], "service_tier": None, "system_fingerprint": None,
-            "usage": server.usage(req), "prompt_logprobs": None, "kv_transfer_params": None,
+            "choices": [choice], "service_tier": None, "system_fingerprint": SYSTEM_FINGERPRINT,
+            "usage": server.usage(req), "prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None,
+            "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None,
         })
 
     def _sse(obj: dict[str, Any]) -> bytes:
@@ -338,6 +350,8 @@ def build_app(server: SimServer) -> Starlette:
             if p.continuous_usage:
                 first["usage"] = {"prompt_tokens": req.num_prompt_tokens, "total_tokens": req.num_prompt_tokens,
                                   "completion_tokens": 0}
+            first["prompt_token_ids"] = None
+            first["prompt_text"] = None
             yield _sse(first)
             while True:
                 new, done = await sink.drain()
@@ -349,6 +363,7 @@ def build_app(server: SimServer) -> Starlette:
                     }
                     if done:
                         choice["stop_reason"] = None
+                    choice["token_ids"] = None
                     sent += len(new)
                     chunk = {**base, "choices": [choice]}
                     if p.continuous_usage:
@@ -357,7 +372,7 @@ def build_app(server: SimServer) -> Starlette:
                 if done:
                     break
             if p.include_usage:
-                yield _sse({**base, "choices": [], "usage": server.usage(req)})
+                yield _sse({**base, "choices": [], "usage": server.usage(req), "system_fingerprint": SYSTEM_FINGERPRINT})
             yield b"data: [DONE]\n\n"
         finally:
             if not sink.finished:
@@ -376,7 +391,8 @@ def build_app(server: SimServer) -> Starlette:
                     offset += len(text)
                     sent += len(new)
                     choice = {"index": 0, "text": text, "logprobs": lp,
-                              "finish_reason": req.finish_reason if done else None, "stop_reason": None}
+                              "finish_reason": req.finish_reason if done else None, "stop_reason": None,
+                              "prompt_token_ids": None, "token_ids": None}
                     chunk = {**base, "choices": [choice]}
                     if p.continuous_usage:
                         chunk["usage"] = _partial_usage(req, sent)
@@ -384,7 +400,7 @@ def build_app(server: SimServer) -> Starlette:
                 if done:
                     break
             if p.include_usage:
-                yield _sse({**base, "choices": [], "usage": server.usage(req)})
+                yield _sse({**base, "choices": [], "usage": server.usage(req), "system_fingerprint": SYSTEM_FINGERPRINT})
             yield b"data: [DONE]\n\n"
         finally:
             if not sink.finished:

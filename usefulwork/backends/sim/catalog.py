@@ -42,6 +42,7 @@ class GPUSpec:
     usd_per_hour: float
     calibration: Calibration
     kv_cache_gib: float | None = None  # fixed KV space (the CPU backend); None: from memory
+    vllm_defaults: tuple[tuple[str, Any], ...] = ()  # flags vLLM picks itself on this device
 
 
 @dataclass(frozen=True)
@@ -179,8 +180,9 @@ def _pick(section: str, name: str) -> dict[str, Any]:
 def gpu_spec(name: str) -> GPUSpec:
     raw = _pick("gpus", name)
     cal = Calibration(**(raw.pop("calibration", None) or {}))
+    defaults = tuple(sorted(normalize_flags(raw.pop("vllm_defaults", None) or {}).items()))
     canonical = next(k for k in load_catalog()["gpus"] if k.lower() == name.lower())
-    return GPUSpec(name=canonical, calibration=cal, **raw)
+    return GPUSpec(name=canonical, calibration=cal, vllm_defaults=defaults, **raw)
 
 
 def model_spec(name: str) -> ModelSpec:
@@ -229,8 +231,19 @@ def build_spec(
     model_name = model or prof.pop("model", None) or "Llama-3.1-8B"
     prof.pop("gpu", None)
     prof.pop("model", None)
-    settings = normalize_flags(prof)
-    settings.update(normalize_flags(overrides or {}))
+    g, m, p = gpu_spec(gpu_name), model_spec(model_name), precision_spec(precision)
+    # Precedence: explicit overrides > the profile's non-null values > vLLM's device defaults.
+    settings = {k: v for k, v in normalize_flags(prof).items() if v is not None}
+    settings.update({k: v for k, v in normalize_flags(overrides or {}).items() if v is not None})
+    v0 = settings.get("scheduler") == "v0-prefill-first"
+    for k, v in g.vllm_defaults:
+        if k == "max_num_batched_tokens" and v0:
+            continue  # V0 without chunked prefill: max(max_model_len, 2048), resolved below
+        settings.setdefault(k, v)
+    if not v0:
+        settings.setdefault("max_num_batched_tokens", 2048)
+    else:
+        settings.setdefault("max_num_batched_tokens", None)
     flags = EngineFlags(**settings)
     if flags.scheduler not in SCHEDULERS:
         raise SpecError(f"scheduler must be one of {SCHEDULERS}, got {flags.scheduler!r}")
@@ -238,7 +251,6 @@ def build_spec(
         raise SpecError("tp must be >= 1")
     if flags.max_num_seqs < 1:
         raise SpecError("max_num_seqs must be >= 1")
-    g, m, p = gpu_spec(gpu_name), model_spec(model_name), precision_spec(precision)
     if m.q_heads % tp or m.kv_heads % tp and tp % m.kv_heads:
         raise SpecError(f"tensor parallel degree {tp} does not divide {m.name}'s attention heads")
 

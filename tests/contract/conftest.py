@@ -1,0 +1,48 @@
+"""The API contract suite runs every test against the simulator AND the real local vLLM.
+
+`server` is parametrized: "sim" is a real `usefulwork sim` subprocess with the `cpu` profile (the
+simulated twin of the local vLLM: same model name, tokenizer, max_model_len, block size); "vllm" is
+the session's real vLLM server (tests/conftest.py). A server that cannot start FAILS the tests.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from tests.conftest import MODEL_NAME, VLLMServer
+
+
+def free_port_in_range(lo: int = 18000, hi: int = 18999) -> int:
+    """A free TCP port in this area's range (18000-18999)."""
+    for port in range(lo, hi + 1):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {lo}-{hi}")
+
+
+@pytest.fixture(scope="session")
+def sim_server(tmp_path_factory) -> VLLMServer:
+    from usefulwork.backends.sim.process import SimProcess
+
+    log = tmp_path_factory.mktemp("sim") / "sim.log"
+    sim = SimProcess(gpu=None, model=None, profile="cpu", served_name=MODEL_NAME, port=free_port_in_range(18100),
+                     time_scale=20.0, seed=0, log_path=log)
+    sim.start()
+    try:
+        sim.wait_ready(timeout_s=60)
+    except Exception as exc:  # a component that cannot run is a failure, not a skip
+        sim.stop()
+        pytest.fail(f"usefulwork sim could not start: {exc}")
+    yield VLLMServer(sim.base_url, MODEL_NAME)
+    sim.stop()
+
+
+@pytest.fixture(params=["sim", "vllm"])
+def server(request) -> VLLMServer:
+    return request.getfixturevalue("sim_server" if request.param == "sim" else "vllm_server")
