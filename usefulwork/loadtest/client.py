@@ -101,8 +101,10 @@ async def _stream(client: httpx.AsyncClient, url: str, body: bytes, headers: dic
                 continue
             payload = line[5:].strip()
             if payload == "[DONE]":
+                # Keep reading to the end of the body: closing early would look like a client
+                # disconnect to the server (and to a gateway's ledger).
                 done = True
-                break
+                continue
             try:
                 obj = orjson.loads(payload)
             except orjson.JSONDecodeError:

