@@ -112,7 +112,7 @@ class Accountant:
         self.estimator = estimator or TokenEstimator()
         self._pools = {p.name: p for p in cfg.pools}
         self._queue: deque[RequestContext] = deque()
-        self._inflight: dict[str, float] = {}
+        self._inflight: dict[int, float] = {}  # id(ctx): client-given request ids may repeat
         self._tracks_starts = False
         self._held: dict[int, tuple[Share, dict]] = {}
         self._backlog: dict[str, list[bytes]] = {s.name: [] for s in sinks}
@@ -127,10 +127,10 @@ class Accountant:
     def begin(self, ctx: RequestContext) -> None:
         """Optional: a request started. Lets settlement wait exactly for the oldest running request."""
         self._tracks_starts = True
-        self._inflight[ctx.id] = ctx.wall_start
+        self._inflight[id(ctx)] = ctx.wall_start
 
     def finish(self, ctx: RequestContext) -> None:
-        self._inflight.pop(ctx.id, None)
+        self._inflight.pop(id(ctx), None)
         self._queue.append(ctx)
         self.finished += 1
         if len(self._queue) >= self.cfg.ledger.batch_size:
