@@ -49,14 +49,18 @@ def _pct(ours: float | None, theirs: float | None) -> float | None:
     return (theirs - ours) / ours * 100.0
 
 
-def compare(result: dict[str, Any], gw: dict[str, Any]) -> dict[str, Any]:
-    """Side by side: the load generator's figures, the gateway's, and the relative difference (%)."""
+def compare(result: dict[str, Any], gw: dict[str, Any], time_scale: float = 1.0) -> dict[str, Any]:
+    """Side by side: the load generator's figures, the gateway's, and the relative difference (%).
+
+    ``time_scale``: the gateway measures wall seconds; results of a scaled-time simulator are in
+    simulated seconds (wall x time_scale), so the gateway's window is shown scaled the same way.
+    """
     rows = {
         "requests": (result["num_prompts"], gw["requests"]),
         "ok": (result["completed"], gw["ok"]),
         "good": (result["good"], gw["good"]),
         "generated_tokens": (result["total_output_tokens"], gw["generated_tokens_ok"]),
-        "window_s": (result["duration"], gw["window_s"]),
+        "window_s": (result["duration"], gw["window_s"] * time_scale),
         "cost_usd": (result["cost_usd"], gw["cost_usd"]),
         "usd_per_1k_successful": (result["usd_per_1k_successful"], gw["usd_per_1k_successful"]),
         "usd_per_1k_good": (result["usd_per_1k_good"], gw["usd_per_1k_good"]),
@@ -66,8 +70,9 @@ def compare(result: dict[str, Any], gw: dict[str, Any]) -> dict[str, Any]:
 
 
 class StatsWindow:
-    def __init__(self, base_url: str) -> None:
+    def __init__(self, base_url: str, time_scale: float = 1.0) -> None:
         self.base_url = base_url
+        self.time_scale = time_scale
         self.before: dict[str, Any] | None = None
         self.error: str | None = None
 
@@ -91,4 +96,4 @@ class StatsWindow:
             if gw["requests"] >= result["num_prompts"] or time.monotonic() >= deadline:
                 break
             time.sleep(0.2)
-        return {"figures": gw, "compare": compare(result, gw)}
+        return {"figures": gw, "compare": compare(result, gw, self.time_scale)}

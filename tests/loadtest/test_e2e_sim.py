@@ -1,0 +1,90 @@
+"""The experiment matrix end to end: simulator backends started per profile, a real gateway in
+front, the gateway's ledger compared with the load generator's figures, the report written."""
+
+import json
+
+import pytest
+from rich.console import Console
+
+from usefulwork.loadtest import experiment, report
+from usefulwork.loadtest.experiment import ExperimentError, Options, load_experiment, run_experiment
+
+TINY = """
+name: tiny
+backend:
+  kind: sim
+  gpu_name: A100-80G
+  model: Llama-3.1-8B
+  served_name: llama
+  time_scale: 10
+  gpu: {type: A100-80G, count: 1, usd_per_hour: 3.5}
+slo: {ttft_ms: 2000, tpot_ms: 100, e2e_ms: 3000, attainment: 0.9}
+profiles:
+  naive-single: {sim_profile: naive-single}
+  optimized-batched: {sim_profile: optimized-batched}
+cases:
+  steady:
+    arrival: {process: poisson, rate: 8}
+    num_requests: 24
+    timeout_s: 4
+shapes:
+  - {name: 128x32, prompt_tokens: 128, output_tokens: 32}
+"""
+
+
+def test_sim_matrix_through_gateway(tmp_path):
+    f = tmp_path / "tiny.yaml"
+    f.write_text(TINY)
+    exp = load_experiment(str(f))
+    data = run_experiment(exp, Options(out_dir=tmp_path, port_base=38200, quiet=True), Console(quiet=True))
+    cells = {c["profile"]: c["result"] for c in data["cells"]}
+    naive, opt = cells["naive-single"], cells["optimized-batched"]
+    assert naive["num_prompts"] == opt["num_prompts"] == 24
+    # batching serves the burst of 24 within the SLO; one-at-a-time cannot
+    assert opt["completed"] == 24 and opt["slo_passed"]
+    assert naive["slo_passed"] is False and naive["p95_e2el_ms"] > opt["p95_e2el_ms"]
+    assert opt["input_lens"] == [128] * 24 and opt["output_lens"] == [32] * 24
+    # results are in simulated seconds (time scale 10): a 32-token answer takes > 0.3 s on an A100
+    assert opt["mean_e2el_ms"] > 300
+    assert data["ratios"][0]["ratio"] > 1.0
+    for r in (naive, opt):
+        gw = r["gateway"]["figures"]
+        assert gw["requests"] == r["num_prompts"]
+        assert gw["ok"] == r["completed"]
+        assert gw["generated_tokens_ok"] == r["total_output_tokens"]
+        # the gateway prices wall seconds at $/h x time scale: the simulated GPU's dollars
+        assert gw["fleet_usd_per_hour"] == pytest.approx(35.0)
+        assert gw["cost_usd"] == pytest.approx(35.0 * gw["window_s"] / 3600, rel=0.05)
+        # its window brackets ours (snapshots just before the first send and after the last answer)
+        assert r["gateway"]["compare"]["window_s"]["gateway"] >= r["duration"]
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert len(saved["cells"]) == 2
+    html_path = report.write_html(saved, tmp_path / "report.html")
+    text = html_path.read_text()
+    assert text.count("data:image/png;base64,") == 3 and "naive-single" in text
+
+
+def test_unknown_case_profile_and_bad_experiment_files(tmp_path):
+    exp = load_experiment("cost")
+    with pytest.raises(ExperimentError, match="unknown case 'nope'.*known: steady-cost-efficiency"):
+        experiment.plan(exp, Options(cases=["nope"]))
+    with pytest.raises(ExperimentError, match="unknown profile 'turbo'"):
+        experiment.plan(exp, Options(profiles=["turbo"]))
+    with pytest.raises(ExperimentError, match="unknown experiment 'nosuch'"):
+        load_experiment("nosuch")
+    f = tmp_path / "bad.yaml"
+    f.write_text(TINY.replace("rate: 8", "rate: -1"))
+    with pytest.raises(ExperimentError, match=r"bad.yaml: shape 128x32: case steady: arrival rate must be a positive"):
+        load_experiment(str(f))
+    f.write_text(TINY.replace("timeout_s: 4", "timeout_s: 4\n    colour: red"))
+    with pytest.raises(ExperimentError, match="case steady: unknown field"):
+        load_experiment(str(f))
+
+
+def test_builtin_experiments_plan():
+    cells = experiment.plan(load_experiment("cost"), Options())
+    assert len(cells) == 8
+    assert {(s["name"], c.name) for _, s, c in cells} == {
+        (s, c) for s in ("512x128", "64x256") for c in ("steady-cost-efficiency", "burst-cost-efficiency")}
+    a100 = load_experiment("cost-a100")
+    assert a100.backend["kind"] == "sim" and len(experiment.plan(a100, Options())) == 4
