@@ -8,7 +8,10 @@ that need it: it is never skipped into a pass.
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,29 +50,73 @@ def _answers(url: str) -> bool:
         return False
 
 
+@dataclass
+class EmbeddedFleet:
+    """`usefulwork serve` with no config: the main job (local vLLM + gateway) as a real process."""
+
+    proc: subprocess.Popen
+    gateway_url: str
+    vllm_url: str
+    log: Path
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+def _start_embedded(tmp: Path) -> EmbeddedFleet:
+    gw_port, vllm_port = free_port(), free_port()
+    log = tmp / "serve.log"
+    env = {**os.environ, "USEFULWORK__LOCAL_FLEET__PORT": str(vllm_port)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "usefulwork.cli", "serve", "--port", str(gw_port), "--vllm-log", str(tmp / "vllm.log")],
+        stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env,
+    )
+    fleet = EmbeddedFleet(proc, f"http://127.0.0.1:{gw_port}", f"http://127.0.0.1:{vllm_port}", log)
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"`usefulwork serve` exited with {proc.returncode}:\n{fleet.log_text()[-4000:]}")
+        try:
+            if httpx.get(fleet.gateway_url + "/readyz", timeout=2).status_code == 200:
+                return fleet
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    proc.kill()
+    pytest.fail(f"`usefulwork serve` not ready in 900 s:\n{fleet.log_text()[-4000:]}")
+
+
 @pytest.fixture(scope="session")
-def vllm_server(tmp_path_factory) -> VLLMServer:
+def embedded_fleet(tmp_path_factory):
+    """The embedded default fleet, started once; stopped with SIGINT (Ctrl-C) at the end of the session."""
+    fleet = _start_embedded(tmp_path_factory.mktemp("embedded"))
+    yield fleet
+    if fleet.proc.poll() is None:
+        fleet.proc.send_signal(signal.SIGINT)
+        try:
+            fleet.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            fleet.proc.kill()
+            pytest.fail("`usefulwork serve` did not stop within 60 s of Ctrl-C")
+        if fleet.proc.returncode != 0:
+            pytest.fail(f"`usefulwork serve` exited {fleet.proc.returncode} on Ctrl-C:\n{fleet.log_text()[-2000:]}")
+        if _answers(fleet.vllm_url):
+            pytest.fail("the embedded vLLM still answers after Ctrl-C stopped `usefulwork serve`")
+
+
+@pytest.fixture(scope="session")
+def vllm_server(request) -> VLLMServer:
+    """Real vLLM: USEFULWORK_TEST_VLLM_URL if set (development), else the embedded fleet's own vLLM."""
     url = os.environ.get("USEFULWORK_TEST_VLLM_URL")
     if url:
         url = url.rstrip("/").removesuffix("/v1")
         if not _answers(url):
             pytest.fail(f"USEFULWORK_TEST_VLLM_URL={url} does not answer /v1/models")
-        yield VLLMServer(url, MODEL_NAME)
-        return
-    from usefulwork.backends.local import LocalVLLM
-    from usefulwork.backends.model import ensure_model
-
-    model_dir = ensure_model()
-    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
-    server = LocalVLLM(model_dir=model_dir, served_name=MODEL_NAME, port=free_port(), log_path=log)
-    server.start()
-    try:
-        server.wait_ready(timeout_s=900)
-    except Exception as exc:  # a real component that cannot run is a failure, not a skip
-        server.stop()
-        pytest.fail(f"real vLLM could not start: {exc}")
-    yield VLLMServer(server.base_url, MODEL_NAME)
-    server.stop()
+        return VLLMServer(url, MODEL_NAME)
+    fleet = request.getfixturevalue("embedded_fleet")
+    if not _answers(fleet.vllm_url):
+        pytest.fail(f"the embedded fleet's vLLM at {fleet.vllm_url} does not answer")
+    return VLLMServer(fleet.vllm_url, MODEL_NAME)
 
 
 @pytest.fixture(scope="session")

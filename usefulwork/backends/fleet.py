@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from usefulwork.backends.http1 import UpstreamPool
 from usefulwork.config import Config, Pool
 
 log = logging.getLogger("usefulwork.fleet")
@@ -51,6 +52,7 @@ class Replica:
     prompt_tokens_total: float = 0.0
     generation_tokens_total: float = 0.0
     last_scrape: float = 0.0
+    http: UpstreamPool | None = None  # the data-path connection pool (set by Fleet)
 
     @property
     def load(self) -> float:
@@ -106,6 +108,9 @@ class Fleet:
             p.name: PoolState(p, [Replica(url, p.name) for url in p.replicas]) for p in cfg.pools
         }
         self._by_model: dict[str, PoolState] = {m: self.pools[p.name] for p in cfg.pools for m in p.models}
+        t = cfg.timeouts
+        for r in self.replicas:
+            r.http = UpstreamPool(r.url, connect_timeout=t.connect_s, read_timeout=t.read_s)
         self._task: asyncio.Task | None = None
 
     # -- reads --
@@ -196,5 +201,7 @@ class Fleet:
                 await self._task
             except asyncio.CancelledError:
                 pass
+        for r in self.replicas:
+            r.http.close()
         if self._own_client:
             await self.client.aclose()

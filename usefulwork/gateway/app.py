@@ -24,7 +24,7 @@ JSON = "application/json"
 
 
 def make_client(cfg: Config) -> httpx.AsyncClient:
-    """One pooled keep-alive client for every upstream call."""
+    """The control-plane client (health probes, /metrics scrapes); the data path uses backends.http1."""
     t = cfg.timeouts
     return httpx.AsyncClient(
         timeout=httpx.Timeout(connect=t.connect_s, read=t.read_s, write=30.0, pool=t.connect_s),
@@ -58,7 +58,7 @@ def build_app(cfg: Config, client: httpx.AsyncClient | None = None) -> Starlette
     client = client or make_client(cfg)
     fleet = Fleet(cfg, client)
     bundle = accounting.build(cfg, fleet)
-    proxy = Proxy(cfg, fleet, client, bundle.accountant)
+    proxy = Proxy(cfg, fleet, bundle.accountant)
     started = time.time()
 
     async def models(request: Request) -> Response:

@@ -19,10 +19,10 @@ import os
 import time
 from typing import Any, Awaitable, Callable
 
-import httpx
 import orjson
 
 from usefulwork.backends.fleet import Fleet, Replica
+from usefulwork.backends.http1 import ConnectFailed, Response, UpstreamClosed, UpstreamError, UpstreamTimeout
 from usefulwork.config import Config
 from usefulwork.gateway.context import Accountant, RequestContext
 from usefulwork.gateway.errors import GatewayError, error_body, send_error, send_json
@@ -32,7 +32,6 @@ from usefulwork.gateway.validation import parse_json, validate_chat, validate_co
 log = logging.getLogger("usefulwork.proxy")
 
 RETRY_STATUSES = frozenset({502, 503, 504})
-_CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 _SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
 
@@ -54,10 +53,9 @@ def _new_id() -> str:
 class Proxy:
     """One instance per app; ``chat`` and ``completions`` are its two ASGI endpoints."""
 
-    def __init__(self, cfg: Config, fleet: Fleet, client: httpx.AsyncClient, accountant: Accountant):
+    def __init__(self, cfg: Config, fleet: Fleet, accountant: Accountant):
         self.cfg = cfg
         self.fleet = fleet
-        self.client = client
         self.accountant = accountant
         self.max_body = cfg.limits.max_body_bytes
         self.tenants = dict(cfg.auth.api_keys)
@@ -97,15 +95,19 @@ class Proxy:
             raise GatewayError(401, "invalid or missing API key", code="invalid_api_key")
         return tenant
 
-    def upstream_headers(self, ctx: RequestContext, pool_key: str | None) -> dict[str, str]:
-        h = {"content-type": "application/json", "x-request-id": ctx.id}
+    @staticmethod
+    def upstream_headers(ctx: RequestContext, pool_key: str | None) -> bytes:
+        h = b"content-type: application/json\r\nx-request-id: " + ctx.id.encode("latin-1") + b"\r\n"
         if pool_key:
-            h["authorization"] = f"Bearer {pool_key}"
+            h += b"authorization: Bearer " + pool_key.encode("latin-1") + b"\r\n"
         return h
 
     # -- forwarding --
-    async def open_upstream(self, ctx: RequestContext, path: str, body: bytes, stream: bool) -> httpx.Response:
-        """Send to the best replica, retrying on another one while nothing reached the client."""
+    async def open_upstream(self, ctx: RequestContext, path: bytes, body: bytes) -> tuple[Replica, Response]:
+        """Send to the best replica, retrying on another one while nothing reached the client.
+
+        The returned replica has ``inflight`` incremented: the caller must call ``done``.
+        """
         pool = self.fleet.pool_for_model(ctx.model)
         assert pool is not None
         ctx.pool = pool.name
@@ -120,38 +122,33 @@ class Proxy:
             ctx.replica = replica.url
             replica.inflight += 1
             try:
-                req = self.client.build_request("POST", replica.url + path, content=body, headers=headers)
-                resp = await self.client.send(req, stream=True)
-            except _CONNECT_ERRORS as exc:
+                resp = await replica.http.request(b"POST", path, body, headers)
+            except (ConnectFailed, UpstreamClosed) as exc:
                 replica.inflight -= 1
-                last_error = f"{replica.url}: {type(exc).__name__}"
+                last_error = f"{replica.url}: {exc}"
                 self.fleet.mark_down(replica, f"request failed: {type(exc).__name__}")
                 continue
-            except httpx.TimeoutException:
+            except UpstreamTimeout:
                 replica.inflight -= 1
-                raise GatewayError(504, f"upstream {replica.url} timed out before answering", code="upstream_timeout")
-            except httpx.HTTPError as exc:
+                raise GatewayError(504, f"upstream {replica.url} timed out before answering",
+                                   code="upstream_timeout") from None
+            except BaseException:
                 replica.inflight -= 1
-                last_error = f"{replica.url}: {type(exc).__name__}"
-                self.fleet.mark_down(replica, f"request failed: {type(exc).__name__}")
+                raise
+            if resp.status in RETRY_STATUSES:
+                replica.inflight -= 1
+                resp.close()
+                last_error = f"{replica.url}: HTTP {resp.status}"
+                self.fleet.mark_down(replica, f"answered {resp.status}")
                 continue
-            if resp.status_code in RETRY_STATUSES:
-                replica.inflight -= 1
-                await resp.aclose()
-                last_error = f"{replica.url}: HTTP {resp.status_code}"
-                self.fleet.mark_down(replica, f"answered {resp.status_code}")
-                continue
-            resp.extensions["usefulwork.replica"] = replica
-            return resp
+            return replica, resp
         raise GatewayError(502, f"no replica could serve the request ({last_error})", code="upstream_unavailable",
                            headers=[(b"retry-after", b"1")])
 
     @staticmethod
-    def release(resp: httpx.Response) -> None:
-        replica: Replica | None = resp.extensions.get("usefulwork.replica")
-        if replica is not None:
-            replica.inflight -= 1
-            resp.extensions["usefulwork.replica"] = None
+    def done(replica: Replica, resp: Response) -> None:
+        replica.inflight -= 1
+        resp.close()  # back to the pool if complete; aborted (upstream cancels) if not
 
     def take_usage(self, ctx: RequestContext, usage: dict[str, Any] | None) -> None:
         if not usage:
@@ -162,53 +159,50 @@ class Proxy:
         ctx.cached_tokens = int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
         ctx.usage_source = "backend"
 
-    async def forward_unary(self, ctx: RequestContext, path: str, raw: bytes, send) -> None:
-        resp = await self.open_upstream(ctx, path, raw, stream=False)
+    async def forward_unary(self, ctx: RequestContext, path: bytes, raw: bytes, send) -> None:
+        replica, resp = await self.open_upstream(ctx, path, raw)
         try:
-            data = await resp.aread()
-        except httpx.TimeoutException:
+            data = await resp.read()
+        except UpstreamTimeout:
             raise GatewayError(504, "upstream timed out", code="upstream_timeout") from None
-        except httpx.HTTPError as exc:
-            self.fleet.mark_down(resp.extensions["usefulwork.replica"], f"read failed: {type(exc).__name__}")
-            raise GatewayError(502, f"upstream failed while answering: {type(exc).__name__}",
-                               code="upstream_error") from None
+        except UpstreamError as exc:
+            self.fleet.mark_down(replica, f"read failed: {type(exc).__name__}")
+            raise GatewayError(502, f"upstream failed while answering: {exc}", code="upstream_error") from None
         finally:
-            self.release(resp)
-            await resp.aclose()
+            self.done(replica, resp)
         ctx.t_first_token = time.perf_counter()
-        ctx.status_code = resp.status_code
-        if resp.status_code == 200:
+        ctx.status_code = resp.status
+        if resp.status == 200:
             try:
                 self.take_usage(ctx, orjson.loads(data).get("usage"))
             except (orjson.JSONDecodeError, AttributeError):
                 pass
         else:
-            ctx.outcome = "rejected" if resp.status_code < 500 else "error"
+            ctx.outcome = "rejected" if resp.status < 500 else "error"
             ctx.error = data[:500].decode("utf-8", "replace")
-        ctype = resp.headers.get("content-type", "application/json").encode("latin-1")
         ctx.closing = True
-        await send({"type": "http.response.start", "status": resp.status_code, "headers": [
-            (b"content-type", ctype), (b"content-length", str(len(data)).encode()),
-            (b"x-request-id", ctx.id.encode())]})
+        await send({"type": "http.response.start", "status": resp.status, "headers": [
+            (b"content-type", resp.header(b"content-type") or b"application/json"),
+            (b"content-length", str(len(data)).encode()), (b"x-request-id", ctx.id.encode())]})
         await send({"type": "http.response.body", "body": data})
 
-    async def forward_stream(self, ctx: RequestContext, path: str, body: dict[str, Any], send) -> None:
+    async def forward_stream(self, ctx: RequestContext, path: bytes, body: dict[str, Any], send) -> None:
         # Always ask upstream for usage so it is never lost; strip it later if the client did not ask.
         so = body.get("stream_options")
         if not (isinstance(so, dict) and so.get("include_usage")):
             body["stream_options"] = {**(so or {}), "include_usage": True}
-            raw = orjson.dumps(body)
-        else:
-            raw = None
-        resp = await self.open_upstream(ctx, path, raw if raw is not None else orjson.dumps(body), stream=True)
+        replica, resp = await self.open_upstream(ctx, path, orjson.dumps(body))
         try:
-            if resp.status_code != 200:
-                data = await resp.aread()
-                ctx.status_code = resp.status_code
-                ctx.outcome = "rejected" if resp.status_code < 500 else "error"
+            if resp.status != 200:
+                try:
+                    data = await resp.read()
+                except UpstreamError as exc:
+                    raise GatewayError(502, f"upstream failed while answering: {exc}", code="upstream_error") from None
+                ctx.status_code = resp.status
+                ctx.outcome = "rejected" if resp.status < 500 else "error"
                 ctx.error = data[:500].decode("utf-8", "replace")
                 ctx.closing = True
-                await send_json(send, resp.status_code, data, [(b"x-request-id", ctx.id.encode())])
+                await send_json(send, resp.status, data, [(b"x-request-id", ctx.id.encode())])
                 return
             await send({"type": "http.response.start", "status": 200,
                         "headers": [*_SSE_HEADERS, (b"x-request-id", ctx.id.encode())]})
@@ -216,7 +210,7 @@ class Proxy:
             events: list[bytes] = []
             ctx.streamed_events = events
             try:
-                async for chunk in resp.aiter_raw():
+                while (chunk := await resp.read_chunk()) is not None:
                     out = filt.feed(chunk)
                     if out:
                         if ctx.t_first_token is None:
@@ -227,18 +221,17 @@ class Proxy:
                 if tail:
                     await send({"type": "http.response.body", "body": tail, "more_body": True})
                 if not filt.done:
-                    raise httpx.RemoteProtocolError("upstream closed the stream before [DONE]")
-            except httpx.HTTPError as exc:
-                timeout = isinstance(exc, httpx.TimeoutException)
+                    raise UpstreamClosed("upstream closed the stream before [DONE]")
+            except UpstreamError as exc:
+                timeout = isinstance(exc, UpstreamTimeout)
                 ctx.outcome = "timeout" if timeout else "error"
-                ctx.error = f"stream failed after it began: {type(exc).__name__}: {exc}"
+                ctx.status_code = 504 if timeout else 502
+                ctx.error = f"stream failed after it began: {exc}"
                 if not timeout:
-                    self.fleet.mark_down(resp.extensions["usefulwork.replica"] or Replica("?", "?"),
-                                         f"stream failed: {type(exc).__name__}")
+                    self.fleet.mark_down(replica, f"stream failed: {type(exc).__name__}")
                 ctx.closing = True
                 await send({"type": "http.response.body", "more_body": False,
-                            "body": error_event(f"upstream stream failed: {type(exc).__name__}",
-                                                504 if timeout else 502,
+                            "body": error_event(f"upstream stream failed: {exc}", 504 if timeout else 502,
                                                 "timeout_error" if timeout else "upstream_error")})
                 return
             ctx.chunks = filt.events
@@ -248,8 +241,7 @@ class Proxy:
             ctx.closing = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            self.release(resp)
-            await resp.aclose()
+            self.done(replica, resp)
 
 
 class _Endpoint:
@@ -259,6 +251,7 @@ class _Endpoint:
         self.proxy = proxy
         self.name = name
         self.path = path
+        self.path_b = path.encode()
         self.validate = validate
 
     async def __call__(self, scope, receive, send) -> None:
@@ -310,9 +303,9 @@ class _Endpoint:
         if ctx.stream:
             so = body.get("stream_options")
             ctx.include_usage = bool(isinstance(so, dict) and so.get("include_usage"))
-            await proxy.forward_stream(ctx, self.path, body, send)
+            await proxy.forward_stream(ctx, self.path_b, body, send)
         else:
-            await proxy.forward_unary(ctx, self.path, raw, send)
+            await proxy.forward_unary(ctx, self.path_b, raw, send)
 
 
 async def run_until_disconnect(coro: Awaitable[None], receive, ctx: RequestContext) -> None:

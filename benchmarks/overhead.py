@@ -1,0 +1,213 @@
+"""Gateway overhead: the same zero-think-time mock measured directly and through the gateway.
+
+Layout (2 cores): the gateway runs as ONE uvicorn worker pinned to core 0; the mock backend and
+the load generator share core 1. For each mode (non-streaming, streaming with 16 chunks) and
+concurrency (1, 16, 64) it runs the load directly against the mock, then through the gateway, in
+the same run, and reports requests/s and the latency the gateway adds (p50, p99).
+
+The load generator is a raw HTTP/1.1 keep-alive client on asyncio Protocols (uvloop), so it is
+never the bottleneck: it parses just enough (Content-Length or chunked framing) to know where a
+response ends, and checks every stream carried all 16 content events and [DONE].
+
+    python benchmarks/overhead.py [--duration 8] [--markdown docs/bench/overhead.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+UNARY_BODY = json.dumps({"model": "mock", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 16},
+                        separators=(",", ":")).encode()
+STREAM_BODY = json.dumps({"model": "mock", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 16,
+                          "stream": True}, separators=(",", ":")).encode()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Conn(asyncio.Protocol):
+    """One keep-alive connection issuing requests back to back."""
+
+    def __init__(self, request: bytes, stream: bool, deadline: float, lat: list, bad: list, done: asyncio.Future):
+        self.request = request
+        self.stream = stream
+        self.deadline = deadline
+        self.lat = lat
+        self.bad = bad
+        self.done = done
+        self.buf = b""
+        self.t0 = 0.0
+        self.transport = None
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self._send()
+
+    def _send(self) -> None:
+        if time.perf_counter() >= self.deadline:
+            self.transport.close()
+            return
+        self.buf = b""
+        self.t0 = time.perf_counter()
+        self.transport.write(self.request)
+
+    def connection_lost(self, exc) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        end = self.buf.find(b"\r\n\r\n")
+        if end < 0:
+            return
+        head = self.buf[:end].lower()
+        body = self.buf[end + 4:]
+        if b"transfer-encoding: chunked" in head:
+            if not body.endswith(b"0\r\n\r\n"):
+                return
+            ok = head.startswith(b"http/1.1 200") and body.count(b"data: {") == 16 and b"data: [DONE]" in body
+        else:
+            i = head.find(b"content-length:")
+            n = int(head[i + 15:head.find(b"\r\n", i) if head.find(b"\r\n", i) > 0 else None])
+            if len(body) < n:
+                return
+            ok = head.startswith(b"http/1.1 200")
+        self.lat.append(time.perf_counter() - self.t0)
+        if not ok:
+            self.bad.append(self.buf[:300])
+        self._send()
+
+
+async def load(port: int, stream: bool, concurrency: int, duration: float) -> dict:
+    body = STREAM_BODY if stream else UNARY_BODY
+    req = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+           b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    loop = asyncio.get_running_loop()
+    lat: list[float] = []
+    bad: list[bytes] = []
+    # warm-up (connections, caches), not measured
+    warm_done = [loop.create_future() for _ in range(concurrency)]
+    wend = time.perf_counter() + 1.0
+    for f in warm_done:
+        await loop.create_connection(lambda f=f: Conn(req, stream, wend, [], [], f), "127.0.0.1", port)
+    await asyncio.gather(*warm_done)
+    futures = [loop.create_future() for _ in range(concurrency)]
+    t_start = time.perf_counter()
+    deadline = t_start + duration
+    for f in futures:
+        await loop.create_connection(lambda f=f: Conn(req, stream, deadline, lat, bad, f), "127.0.0.1", port)
+    await asyncio.gather(*futures)
+    elapsed = time.perf_counter() - t_start
+    a = np.array(lat) * 1000.0
+    return {"requests": len(lat), "errors": len(bad), "rps": len(lat) / elapsed,
+            "p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99)),
+            "sample_error": bad[0].decode("latin-1") if bad else None}
+
+
+def run_load_process(port: int, stream: bool, concurrency: int, duration: float, core: str) -> dict:
+    """Run the load generator in its own process pinned to `core` (keeps the benchmark process idle)."""
+    code = (f"import asyncio,json,sys; sys.path.insert(0,{str(ROOT)!r});"
+            "import uvloop; uvloop.install();"
+            "from benchmarks.overhead import load;"
+            f"print(json.dumps(asyncio.run(load({port},{stream},{concurrency},{duration}))))")
+    out = subprocess.run(["taskset", "-c", core, sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def wait_http(url: str, timeout: float = 30) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(url)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--duration", type=float, default=8.0)
+    ap.add_argument("--concurrency", default="1,16,64")
+    ap.add_argument("--gateway-core", default="0")
+    ap.add_argument("--client-core", default="1")
+    ap.add_argument("--markdown", type=Path, help="write the results table to this file")
+    ap.add_argument("--json", type=Path, help="write raw results here")
+    args = ap.parse_args()
+    conc = [int(c) for c in args.concurrency.split(",")]
+    mock_port, gw_port = free_port(), free_port()
+    procs = []
+    tmp = Path(tempfile.mkdtemp(prefix="uw-overhead-"))
+    try:
+        procs.append(subprocess.Popen(["taskset", "-c", args.client_core, sys.executable,
+                                       str(ROOT / "benchmarks" / "mock_openai.py"), "--port", str(mock_port)]))
+        cfg = tmp / "gw.yaml"
+        cfg.write_text(json.dumps({"pools": [{"name": "mock", "models": ["mock"],
+                                              "replicas": [f"http://127.0.0.1:{mock_port}"]}],
+                                   "timeouts": {"health_interval_s": 5}}))
+        procs.append(subprocess.Popen(["taskset", "-c", args.gateway_core, sys.executable, "-m", "usefulwork.cli",
+                                       "serve", "--config", str(cfg), "--port", str(gw_port)],
+                                      stdout=open(tmp / "gw.log", "wb"), stderr=subprocess.STDOUT))
+        wait_http(f"http://127.0.0.1:{mock_port}/health")
+        wait_http(f"http://127.0.0.1:{gw_port}/readyz")
+        rows = []
+        for stream in (False, True):
+            for c in conc:
+                direct = run_load_process(mock_port, stream, c, args.duration, args.client_core)
+                via = run_load_process(gw_port, stream, c, args.duration, args.client_core)
+                row = {"mode": "stream-16" if stream else "unary", "concurrency": c, "direct": direct, "gateway": via,
+                       "added_p50_ms": via["p50_ms"] - direct["p50_ms"],
+                       "added_p99_ms": via["p99_ms"] - direct["p99_ms"]}
+                rows.append(row)
+                print(f"{row['mode']:>9} c={c:<3} direct {direct['rps']:8.0f} req/s p50 {direct['p50_ms']:.3f} "
+                      f"p99 {direct['p99_ms']:.3f} | gateway {via['rps']:8.0f} req/s p50 {via['p50_ms']:.3f} "
+                      f"p99 {via['p99_ms']:.3f} | added p50 {row['added_p50_ms']:.3f} ms p99 {row['added_p99_ms']:.3f} ms"
+                      f" | errors {direct['errors']}/{via['errors']}", flush=True)
+                if via["errors"] or direct["errors"]:
+                    print("   sample error:", via["sample_error"] or direct["sample_error"])
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(10)
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": f"{platform.machine()}, "
+            f"{os.cpu_count()} cores, Python {platform.python_version()}", "duration_s": args.duration,
+            "command": "python benchmarks/overhead.py " + " ".join(sys.argv[1:])}
+    if args.json:
+        args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    if args.markdown:
+        lines = [f"Command: `{meta['command']}`  ", f"Date: {meta['date']}; machine: {meta['machine']}; gateway: one "
+                 f"uvicorn worker pinned to core {args.gateway_core}; mock + load generator on core {args.client_core}; "
+                 f"{args.duration:.0f} s per point.", "",
+                 "| mode | conc. | direct req/s | gateway req/s | direct p50 / p99 ms | gateway p50 / p99 ms | added p50 ms | added p99 ms |",
+                 "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in rows:
+            d, g = r["direct"], r["gateway"]
+            lines.append(f"| {r['mode']} | {r['concurrency']} | {d['rps']:.0f} | {g['rps']:.0f} | {d['p50_ms']:.3f} / "
+                         f"{d['p99_ms']:.3f} | {g['p50_ms']:.3f} / {g['p99_ms']:.3f} | {r['added_p50_ms']:.3f} | "
+                         f"{r['added_p99_ms']:.3f} |")
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
