@@ -72,3 +72,10 @@ def test_with_local_pool():
     cfg = with_local_pool(load(None, environ={}), "http://127.0.0.1:8123")
     assert cfg.model_names == ["smollm2-135m-instruct"]
     assert cfg.pools[0].replicas == ["http://127.0.0.1:8123"]
+
+
+def test_shipped_example_configs_are_valid(repo_root):
+    files = [repo_root / "deploy" / "gateway.yaml", *sorted((repo_root / "examples").glob("*.yaml"))]
+    assert len(files) >= 2
+    for f in files:
+        assert load(f, environ={}).pools, f
