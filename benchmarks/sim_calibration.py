@@ -60,8 +60,15 @@ LLMPERF_COUNTED_OUTPUT = 177.0
 LLMPERF_TOKEN_RATIO = LLMPERF_COUNTED_OUTPUT / 150.0
 # 550 Llama-2-counted prompt tokens ~ 466 Llama-3 tokens, plus ~15 chat-template tokens.
 A10G_PROMPT_TOKENS = round(550 / LLMPERF_TOKEN_RATIO) + 15
-CPU_CONCURRENCY = (1, 8, 32)
-CPU_OUTPUT_TOKENS = 64
+# (concurrency, prompt words, output tokens, role): the brief's three points (64 output tokens,
+# short prompts) plus a held-out point in the cost experiment's shape (~480-token prompts, 128
+# output tokens) that no calibration factor was fitted to.
+CPU_POINTS = [
+    (1, 50, 64, "target"),
+    (8, 50, 64, "target"),
+    (32, 50, 64, "target"),
+    (4, 400, 128, "held-out"),
+]
 
 
 @dataclass
@@ -76,6 +83,7 @@ class Point:
     predicted_tok_s: float
     n: int = 0  # requests in the measured run (CPU points)
     prompt_tokens: float = 0.0
+    output_tokens: int = 0
 
     def errors(self) -> dict[str, float | None]:
         def err(pred: float, meas: float | None) -> float | None:
@@ -120,14 +128,14 @@ def predict_a10g(concurrency: int, n_requests: int, seed: int = 0) -> tuple[floa
 # ---------------------------------------------------------------------------------------------
 # Real CPU vLLM (measured now)
 # ---------------------------------------------------------------------------------------------
-def cpu_prompt(i: int, rng: random.Random) -> str:
-    # Distinct prompts (no prefix-cache hits between requests), ~60 tokens.
+def cpu_prompt(i: int, rng: random.Random, n_words: int) -> str:
+    # Distinct prompts (no prefix-cache hits between requests beyond the first few tokens).
     words = ["alpha", "river", "stone", "cloud", "maple", "orbit", "delta", "ember", "frost", "grove"]
-    return f"Request {i}: " + " ".join(rng.choice(words) for _ in range(50)) + ". Continue the story."
+    return f"Request {i}: " + " ".join(rng.choice(words) for _ in range(n_words)) + ". Continue the story."
 
 
-async def one_request(client: httpx.AsyncClient, url: str, prompt: str) -> tuple[float, float, int, int]:
-    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": CPU_OUTPUT_TOKENS, "ignore_eos": True,
+async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> tuple[float, float, int, int]:
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     ttft = None
@@ -146,20 +154,21 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: str) -> tuple
     return ttft or e2e, e2e, usage["completion_tokens"], usage["prompt_tokens"]
 
 
-async def measure_cpu(url: str, concurrency: int, n_requests: int, seed: int = 0) -> dict[str, float]:
+async def measure_cpu(url: str, concurrency: int, n_requests: int, n_words: int, max_tokens: int,
+                      seed: int = 0) -> dict[str, float]:
     rng = random.Random(seed + concurrency)
-    prompts = [cpu_prompt(i, rng) for i in range(n_requests)]
+    prompts = [cpu_prompt(i, rng, n_words) for i in range(n_requests)]
     results: list[tuple[float, float, int, int]] = []
     queue = list(prompts)
 
     async def worker(client: httpx.AsyncClient) -> None:
         while queue:
             p = queue.pop()
-            results.append(await one_request(client, url, p))
+            results.append(await one_request(client, url, p, max_tokens))
 
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        await one_request(client, url, "warm up")  # first-request effects out of the numbers
+        await one_request(client, url, "warm up", 4)  # first-request effects out of the numbers
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
         duration = time.perf_counter() - t0
@@ -173,9 +182,9 @@ async def measure_cpu(url: str, concurrency: int, n_requests: int, seed: int = 0
     }
 
 
-def predict_cpu(concurrency: int, n_requests: int, prompt_tokens: int) -> tuple[float, float, float]:
+def predict_cpu(concurrency: int, n_requests: int, prompt_tokens: int, max_tokens: int) -> tuple[float, float, float]:
     spec = build_spec(profile="cpu")
-    res = closed_loop(spec, concurrency, n_requests, prompt_tokens, CPU_OUTPUT_TOKENS)
+    res = closed_loop(spec, concurrency, n_requests, prompt_tokens, max_tokens)
     return res.mean_ttft * 1e3, res.mean_itl * 1e3, res.throughput
 
 
@@ -259,25 +268,29 @@ def main() -> int:
             points.append(Point("A10G llmperf (published), NOMINAL conc (info)", ref["concurrency"], ref["ttft_ms"],
                                 ttft, ref["itl_ms"], itl, ref["tok_s"], tput))
 
+    measured: dict[tuple, dict] = {}
     if args.reuse_measured:
         old = json.loads(args.reuse_measured.read_text())
-        measured = {p["concurrency"]: {"ttft_ms": p["measured_ttft_ms"], "itl_ms": p["measured_itl_ms"],
-                                       "tok_s": p["measured_tok_s"], "n": p["n"], "prompt_tokens": p["prompt_tokens"]}
-                    for p in old if p["reference"].startswith("CPU")}
+        for p in old:
+            if p["reference"].startswith("CPU"):
+                measured[(p["concurrency"], p["output_tokens"])] = {
+                    "ttft_ms": p["measured_ttft_ms"], "itl_ms": p["measured_itl_ms"], "tok_s": p["measured_tok_s"],
+                    "n": p["n"], "prompt_tokens": p["prompt_tokens"]}
         print(f"# CPU measurements REUSED from {args.reuse_measured}, not measured in this run")
     elif not args.skip_cpu:
         with cpu_lock(), vllm_server(args.vllm_url) as url:
-            measured = {}
-            for c in CPU_CONCURRENCY:
+            for c, words, out, _role in CPU_POINTS:
                 n = max(8, args.requests_per_client * c)
-                measured[c] = asyncio.run(measure_cpu(url, c, n))
-                print(f"# measured c={c}: {measured[c]}", file=sys.stderr)
-    if args.reuse_measured or not args.skip_cpu:
-        for c in CPU_CONCURRENCY:
-            m = measured[c]
-            ttft, itl, tput = predict_cpu(c, m["n"], round(m["prompt_tokens"]))
-            points.append(Point("CPU vLLM SmolLM2-135M (measured)", c, m["ttft_ms"], ttft, m["itl_ms"], itl,
-                                m["tok_s"], tput, n=m["n"], prompt_tokens=m["prompt_tokens"]))
+                measured[(c, out)] = asyncio.run(measure_cpu(url, c, n, words, out))
+                print(f"# measured c={c} out={out}: {measured[(c, out)]}", file=sys.stderr)
+    for c, _words, out, role in CPU_POINTS:
+        m = measured.get((c, out))
+        if m is None:
+            continue
+        ttft, itl, tput = predict_cpu(c, m["n"], round(m["prompt_tokens"]), out)
+        points.append(Point(f"CPU vLLM SmolLM2-135M (measured) {round(m['prompt_tokens'])} in/{out} out, {role}", c,
+                            m["ttft_ms"], ttft, m["itl_ms"], itl, m["tok_s"], tput, n=m["n"],
+                            prompt_tokens=m["prompt_tokens"], output_tokens=out))
 
     print(f"# machine: {platform.machine()} {os.cpu_count()} cores, {platform.python_version()}, "
           f"date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
