@@ -61,13 +61,14 @@ LLMPERF_TOKEN_RATIO = LLMPERF_COUNTED_OUTPUT / 150.0
 # 550 Llama-2-counted prompt tokens ~ 466 Llama-3 tokens, plus ~15 chat-template tokens.
 A10G_PROMPT_TOKENS = round(550 / LLMPERF_TOKEN_RATIO) + 15
 # (concurrency, prompt words, output tokens, role): the brief's three points (64 output tokens,
-# short prompts) plus a held-out point in the cost experiment's shape (~480-token prompts, 128
-# output tokens) that no calibration factor was fitted to.
+# short prompts), a point in the cost experiment's shape (~490-token prompts, 128 output tokens;
+# used to fit the CPU's KV-read factor) and a held-out shape no factor was fitted to.
 CPU_POINTS = [
     (1, 50, 64, "target"),
     (8, 50, 64, "target"),
     (32, 50, 64, "target"),
-    (4, 400, 128, "held-out"),
+    (4, 400, 128, "fit"),
+    (16, 200, 96, "held-out"),
 ]
 
 

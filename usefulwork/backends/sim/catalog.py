@@ -27,6 +27,7 @@ class SpecError(ValueError):
 class Calibration:
     hbm_efficiency: float = 0.85  # share of peak HBM bandwidth a decode step achieves
     mfu: float = 0.5  # share of peak FLOP/s a prefill achieves
+    kv_efficiency: float = 1.0  # paged-attention KV reads relative to hbm_efficiency (gathers are slower)
     step_overhead_ms: float = 1.0  # scheduler + launch + sampling cost of every step
     per_seq_overhead_ms: float = 0.0  # per scheduled sequence (sampling, detokenization, bookkeeping)
     request_overhead_ms: float = 10.0  # API front-end cost before a request reaches the scheduler

@@ -1,6 +1,7 @@
 """How long one engine step takes on the simulated hardware: a roofline with calibrated efficiencies.
 
-    memory  = (weight bytes read + KV bytes read by attention) / tp / (HBM bandwidth x hbm_efficiency)
+    memory  = weight bytes read / (tp x HBM bandwidth x hbm_efficiency)
+              + KV bytes read by attention / (tp x HBM bandwidth x hbm_efficiency x kv_efficiency)
     compute = (2 x active params x tokens + attention FLOPs) / tp / (peak FLOP/s x mfu x precision speedup)
     step    = step_overhead + per_seq_overhead x sequences + max(memory, compute) + tensor-parallel all-reduces
 
@@ -35,6 +36,7 @@ class StepTimer:
         m, g, p = spec.model, spec.gpu, spec.precision
         cal = g.calibration
         self._bw = g.hbm_gbps * 1e9 * cal.hbm_efficiency * spec.tp
+        self._kv_bw = self._bw * cal.kv_efficiency
         self._flops = g.bf16_tflops * 1e12 * cal.mfu * p.compute_speedup * spec.tp
         self._weight_bytes = spec.weight_bytes
         if m.experts:
@@ -74,7 +76,7 @@ class StepTimer:
             n, c = it.num_new_tokens, it.context_before
             kv_read += c + n
             attn_pairs += n * (c + (n + 1) / 2)
-        memory = (self.weight_bytes_read(tokens) + kv_read * self._kv_per_token) / self._bw
+        memory = self.weight_bytes_read(tokens) / self._bw + kv_read * self._kv_per_token / self._kv_bw
         compute = (self._flops_per_token * tokens + self._attn_flops_per_pair * attn_pairs) / self._flops
         overhead = self._step_overhead + self._per_seq * len(plan.items) + self._tp_fixed + self._tp_per_token * tokens
         return StepCost(overhead + max(memory, compute), memory, compute, overhead)
