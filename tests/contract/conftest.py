@@ -28,8 +28,10 @@ def free_port_in_range(lo: int = 18000, hi: int = 18999) -> int:
 
 @pytest.fixture(scope="session")
 def sim_server(tmp_path_factory) -> VLLMServer:
+    from usefulwork.backends.model import ensure_model
     from usefulwork.backends.sim.process import SimProcess
 
+    ensure_model()  # the sim counts tokens with the converted SmolLM2 tokenizer, like the real server
     log = tmp_path_factory.mktemp("sim") / "sim.log"
     sim = SimProcess(gpu=None, model=None, profile="cpu", served_name=MODEL_NAME, port=free_port_in_range(18100),
                      time_scale=20.0, seed=0, log_path=log)

@@ -1,0 +1,170 @@
+"""The simulated server as a real subprocess: launcher, CLI flags, time scale, streams, aborts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.contract.conftest import free_port_in_range
+from usefulwork.backends.sim.catalog import build_spec
+from usefulwork.backends.sim.offline import closed_loop
+from usefulwork.backends.sim.process import SimProcess
+from usefulwork.backends.sim.tokens import SimTokenizer
+
+
+def metric(url: str, name: str) -> float:
+    total = 0.0
+    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@pytest.fixture(scope="module")
+def a100(tmp_path_factory):
+    sim = SimProcess(gpu="A100-80G", model="Llama-3.1-8B", profile="optimized-batched", served_name="llama",
+                     port=free_port_in_range(18200), time_scale=2.0, seed=0,
+                     log_path=tmp_path_factory.mktemp("sim") / "a100.log")
+    with sim:
+        yield sim
+
+
+def test_launcher_serves_the_resolved_spec(a100):
+    info = httpx.get(f"{a100.base_url}/sim/info", timeout=5).json()
+    assert info["gpu"] == "A100-80G" and info["model"] == "Llama-3.1-8B" and info["time_scale"] == 2.0
+    assert info["flags"]["max_num_seqs"] == 256 and info["num_gpu_blocks"] > 20_000
+    assert [m["id"] for m in httpx.get(f"{a100.base_url}/v1/models", timeout=5).json()["data"]] == ["llama"]
+    assert a100.command()[:4] == [sys.executable, "-m", "usefulwork.cli", "sim"]
+
+
+def test_time_scale_paces_tokens_like_the_simulated_gpu(a100):
+    # The offline engine predicts the simulated latency; at time_scale 2 the wall time is half of
+    # it (never less: the server cannot run ahead of its clock).
+    predicted = closed_loop(build_spec("A100-80G", "Llama-3.1-8B"), 1, 1, 20, 100).mean_e2e
+    c = openai.OpenAI(base_url=f"{a100.base_url}/v1", api_key="x", max_retries=0)
+    t0 = time.perf_counter()
+    r = c.completions.create(model="llama", prompt="one two three four five six", max_tokens=100,
+                             extra_body={"ignore_eos": True})
+    wall = time.perf_counter() - t0
+    assert r.usage.completion_tokens == 100
+    assert wall >= 0.9 * predicted / 2.0
+    assert wall < predicted / 2.0 + 2.0
+
+
+def test_many_concurrent_streams_are_batched(a100):
+    async def run() -> list[int]:
+        c = openai.AsyncOpenAI(base_url=f"{a100.base_url}/v1", api_key="x", max_retries=0)
+
+        async def one(i: int) -> int:
+            stream = await c.chat.completions.create(
+                model="llama", messages=[{"role": "user", "content": f"request {i}"}], max_tokens=40, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            usage = None
+            async for chunk in stream:
+                usage = chunk.usage or usage
+            return usage.completion_tokens
+
+        async def peak_running() -> float:
+            peak = 0.0
+            for _ in range(20):
+                await asyncio.sleep(0.05)
+                peak = max(peak, await asyncio.to_thread(metric, a100.base_url, "vllm:num_requests_running"))
+            return peak
+
+        results = await asyncio.gather(*(one(i) for i in range(48)), peak_running())
+        return results
+
+    gen0 = metric(a100.base_url, "vllm:generation_tokens_total")
+    *counts, peak = asyncio.run(run())
+    assert counts == [40] * 48
+    assert peak > 8  # continuous batching: many requests in the running batch at once
+    assert metric(a100.base_url, "vllm:generation_tokens_total") - gen0 == 48 * 40
+
+
+def test_client_disconnect_aborts_the_request(a100):
+    aborted0 = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in httpx.get(f"{a100.base_url}/metrics", timeout=5).text.splitlines()
+        if line.startswith("vllm:request_success_total") and 'finished_reason="abort"' in line
+    )
+    body = {"model": "llama", "prompt": "tell me a long story", "max_tokens": 5000, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", f"{a100.base_url}/v1/completions", json=body, timeout=10) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # first token arrived; hang up
+    deadline = time.monotonic() + 5
+    while metric(a100.base_url, "vllm:num_requests_running") > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(a100.base_url, "vllm:num_requests_running") == 0
+    text = httpx.get(f"{a100.base_url}/metrics", timeout=5).text
+    aborted = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                  if line.startswith("vllm:request_success_total") and 'finished_reason="abort"' in line)
+    assert aborted == aborted0 + 1
+    assert metric(a100.base_url, "vllm:kv_cache_usage_perc") == 0.0
+
+
+def test_seeded_requests_are_reproducible(a100):
+    c = openai.OpenAI(base_url=f"{a100.base_url}/v1", api_key="x", max_retries=0)
+    a, b, other = (c.completions.create(model="llama", prompt="hi", max_tokens=12, seed=s, logprobs=2,
+                                        extra_body={"ignore_eos": True}) for s in (5, 5, 6))
+    assert a.choices[0].text == b.choices[0].text != other.choices[0].text
+    assert a.choices[0].logprobs.token_logprobs == b.choices[0].logprobs.token_logprobs
+
+
+def test_eos_without_ignore_eos_stops_early_with_stop(a100):
+    async def run() -> list:
+        c = openai.AsyncOpenAI(base_url=f"{a100.base_url}/v1", api_key="x", max_retries=0)
+        return await asyncio.gather(*(c.completions.create(model="llama", prompt=f"q{i}", max_tokens=400, seed=i)
+                                      for i in range(8)))
+
+    results = asyncio.run(run())
+    stopped = [r for r in results if r.choices[0].finish_reason == "stop"]
+    assert stopped and all(r.usage.completion_tokens < 400 for r in stopped)
+    assert all(r.choices[0].finish_reason == "length" for r in results if r.usage.completion_tokens == 400)
+
+
+def test_flag_overrides_reach_the_engine(tmp_path):
+    port = free_port_in_range(18300)
+    with SimProcess(gpu="H100-SXM", model="Llama-3.1-8B", profile="naive-single", port=port, time_scale=50,
+                    extra={"max_num_batched_tokens": 1024, "enable_prefix_caching": False},
+                    log_path=tmp_path / "h100.log") as sim:
+        info = httpx.get(f"{sim.base_url}/sim/info", timeout=5).json()
+    assert info["flags"]["max_num_seqs"] == 1
+    assert info["max_num_batched_tokens"] == 1024 and info["flags"]["enable_prefix_caching"] is False
+    assert sim.proc.poll() is not None  # stopped on exit
+
+
+def test_cli_print_spec_and_refusal():
+    out = subprocess.run([sys.executable, "-m", "usefulwork.cli", "sim", "--gpu", "H200", "--model", "Llama-3.1-70B",
+                          "--precision", "int8", "--print-spec"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    spec = json.loads(out.stdout)
+    assert spec["gpu"] == "H200" and spec["precision"] == "int8" and spec["usd_per_hour"] > 0
+    bad = subprocess.run([sys.executable, "-m", "usefulwork.cli", "sim", "--gpu", "A100-80G", "--model",
+                          "Llama-3.1-70B", "--print-spec"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "does not fit" in bad.stderr
+
+
+def test_approximate_tokenizer_without_a_model_folder():
+    tok = SimTokenizer(None)
+    assert not tok.exact
+    assert len(tok.encode("x" * 400)) == 100  # ~4 bytes per token
+    assert tok.encode("same prefix here")[:2] == tok.encode("same prefix here, different end")[:2]
+    assert len(tok.vocab) > 100
+
+
+def test_real_tokenizer_output_words_are_single_tokens():
+    from usefulwork.backends.model import ensure_model
+
+    tok = SimTokenizer(ensure_model())
+    assert tok.exact
+    text = "".join(t.text for t in tok.vocab[:50])
+    assert len(tok.encode(text, add_special_tokens=False)) == 50
