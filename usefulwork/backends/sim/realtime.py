@@ -15,6 +15,10 @@ from typing import Sequence
 from usefulwork.backends.sim.engine import OutputSink, SimEngine
 from usefulwork.backends.sim.scheduler import SimRequest
 
+# Event-loop timers are ~1 ms coarse: sleeping for every sub-millisecond step (a GPU step at a
+# high time scale) would add ~1 ms per step. Steps run ahead by up to this much wall time instead.
+MIN_SLEEP_S = 0.002
+
 
 class RealtimeRunner:
     def __init__(self, engine: SimEngine, time_scale: float = 1.0):
@@ -68,10 +72,12 @@ class RealtimeRunner:
 
     async def _sleep_until(self, sim_t: float) -> None:
         delay = (sim_t - self.sim_now()) / self.time_scale
-        if delay > 0:
+        if delay > MIN_SLEEP_S:
             await asyncio.sleep(delay)
         else:
-            await asyncio.sleep(0)  # let HTTP handlers run between back-to-back steps
+            # Shorter than the loop's timer resolution: run the next step now (at most MIN_SLEEP_S
+            # ahead of the clock) instead of oversleeping every step, just let other tasks run.
+            await asyncio.sleep(0)
 
     async def _wait_wake(self, timeout: float | None) -> None:
         self._wake.clear()
@@ -97,7 +103,7 @@ class RealtimeRunner:
             plan, seconds = planned
             end = engine.now + seconds
             await self._sleep_until(end)
-            late = self.sim_now() - end
+            late = self.sim_now() - end - MIN_SLEEP_S * self.time_scale
             if late > 0:
                 self.lag_s += late
             engine.complete_step(plan, end)
