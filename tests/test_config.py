@@ -79,3 +79,11 @@ def test_shipped_example_configs_are_valid(repo_root):
     assert len(files) >= 2
     for f in files:
         assert load(f, environ={}).pools, f
+
+
+def test_configuration_doc_reference_is_in_sync(repo_root):
+    from usefulwork.config import reference_markdown
+
+    doc = (repo_root / "docs" / "configuration.md").read_text()
+    table = doc.split("<!-- reference:start -->\n", 1)[1].split("<!-- reference:end -->", 1)[0]
+    assert table == reference_markdown(), "docs/configuration.md is stale: regenerate with python -m usefulwork.config"

@@ -31,18 +31,25 @@ class _Strict(BaseModel):
 
 
 class Listen(_Strict):
-    host: str = "127.0.0.1"
-    port: int = Field(8080, ge=0, le=65535)
+    """Where the gateway listens."""
+
+    host: str = Field("127.0.0.1", description="Listen address (0.0.0.0 for all interfaces).")
+    port: int = Field(8080, ge=0, le=65535, description="Listen port.")
 
 
 class Limits(_Strict):
+    """Request limits."""
+
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0, description="Larger request bodies get 413.")
 
 
 class Timeouts(_Strict):
+    """Upstream timeouts and health probing."""
+
     connect_s: float = Field(5.0, gt=0, description="TCP connect to a replica.")
-    first_byte_s: float = Field(120.0, gt=0, description="Wait for the upstream's response headers.")
-    read_s: float = Field(600.0, gt=0, description="Gap allowed between two upstream chunks.")
+    first_byte_s: float = Field(600.0, gt=0, description="Wait for the upstream's response headers (for a "
+                                "non-streaming request: the whole answer).")
+    read_s: float = Field(600.0, gt=0, description="Gap allowed between two upstream body chunks.")
     health_interval_s: float = Field(2.0, gt=0, description="Health check and /metrics scrape period.")
     retry_after_down_s: float = Field(5.0, gt=0, description="How long a failed replica stays down before re-probing.")
 
@@ -50,27 +57,29 @@ class Timeouts(_Strict):
 class SLO(_Strict):
     """Latency objectives a request must meet to count as good (useful) work."""
 
-    ttft_ms: float = Field(2000.0, gt=0)
-    tpot_ms: float = Field(200.0, gt=0)
-    e2e_ms: float = Field(30000.0, gt=0)
+    ttft_ms: float = Field(2000.0, gt=0, description="Time to first token.")
+    tpot_ms: float = Field(200.0, gt=0, description="Time per output token after the first.")
+    e2e_ms: float = Field(30000.0, gt=0, description="End-to-end request time.")
 
 
 class GPU(_Strict):
-    type: str = "cpu"
-    count: int = Field(1, ge=1)
+    """The hardware a pool runs on and what it costs."""
+
+    type: str = Field("cpu", description="GPU type (free text; the simulator catalog names A10G, L4, A100-80G, ...).")
+    count: int = Field(1, ge=1, description="Total GPUs behind this pool, all replicas together (pool cost = count x usd_per_hour).")
     usd_per_hour: float = Field(0.0, ge=0, description="Price of ONE GPU per hour.")
 
 
 class Prices(_Strict):
     """Optional price sheet ($ per 1M tokens); None means: cost from GPU time only."""
 
-    input_per_1m: float | None = Field(None, ge=0)
-    output_per_1m: float | None = Field(None, ge=0)
-    cached_input_per_1m: float | None = Field(None, ge=0)
+    input_per_1m: float | None = Field(None, ge=0, description="$ per 1M prompt tokens.")
+    output_per_1m: float | None = Field(None, ge=0, description="$ per 1M generated tokens.")
+    cached_input_per_1m: float | None = Field(None, ge=0, description="$ per 1M prompt tokens served from the prefix cache.")
 
 
 class Pool(_Strict):
-    name: str = Field(..., min_length=1)
+    name: str = Field(..., min_length=1, description="Pool name (labels metrics, ledger, costs).")
     models: list[str] = Field(..., min_length=1, description="Model names this pool serves (as clients send them).")
     replicas: list[str] = Field(..., min_length=1, description="Base URLs of vLLM OpenAI servers, e.g. http://h:8000")
     gpu: GPU = GPU()
@@ -95,32 +104,38 @@ class Pool(_Strict):
 class LocalFleet(_Strict):
     """The embedded default fleet: one local vLLM server started by `usefulwork serve`."""
 
-    model_name: str = "smollm2-135m-instruct"
-    port: int = Field(8000, ge=1, le=65535)
-    kv_cache_gib: int = Field(2, ge=1)
-    max_model_len: int = Field(2048, ge=64)
+    model_name: str = Field("smollm2-135m-instruct", description="Served model name clients use.")
+    port: int = Field(8000, ge=1, le=65535, description="Local vLLM port (a free one is picked if taken).")
+    kv_cache_gib: int = Field(2, ge=1, description="VLLM_CPU_KVCACHE_SPACE for the CPU build.")
+    max_model_len: int = Field(2048, ge=64, description="vLLM --max-model-len.")
     extra_args: list[str] = Field(default_factory=list, description="Extra vLLM server flags.")
     gpu: GPU = GPU(type="cpu-2core", count=1, usd_per_hour=0.10)
 
 
 class LedgerCfg(_Strict):
+    """Where per-request ledger records go (both optional)."""
+
     jsonl_path: str | None = Field(None, description="Append-only JSONL file of request records.")
     redis_url: str | None = Field(None, description="Redis URL for the ledger stream, e.g. redis://127.0.0.1:6379/0")
-    redis_stream: str = "usefulwork:ledger"
-    flush_interval_s: float = Field(0.5, gt=0)
-    batch_size: int = Field(256, ge=1)
+    redis_stream: str = Field("usefulwork:ledger", description="Redis Stream key.")
+    flush_interval_s: float = Field(0.5, gt=0, description="Sinks are written at least this often.")
+    batch_size: int = Field(256, ge=1, description="Records per sink write (a full batch is written at once).")
 
 
 class CostCfg(_Strict):
+    """How GPU time is attributed to requests."""
+
     prefill_weight: float = Field(1.0, ge=0, description="GPU-time share weight of one prompt token.")
     decode_weight: float = Field(1.0, ge=0, description="GPU-time share weight of one generated token.")
     interval_s: float = Field(1.0, gt=0, description="Attribution interval for GPU-time cost.")
 
 
 class Telemetry(_Strict):
+    """OpenTelemetry export."""
+
     otlp_endpoint: str | None = Field(None, description="OTLP/HTTP endpoint, e.g. http://collector:4318")
-    service_name: str = "usefulwork"
-    export_interval_s: float = Field(10.0, gt=0)
+    service_name: str = Field("usefulwork", description="OTel resource service.name.")
+    export_interval_s: float = Field(10.0, gt=0, description="OTLP metric export period.")
     record_prompts: bool = Field(False, description="Put prompt text on spans (off: privacy by default).")
 
 
@@ -241,3 +256,41 @@ def with_local_pool(cfg: Config, base_url: str) -> Config:
     lf = cfg.local_fleet or LocalFleet()
     pool = Pool(name="local", models=[lf.model_name], replicas=[base_url], gpu=lf.gpu)
     return cfg.model_copy(update={"pools": [pool], "local_fleet": lf})
+
+
+def reference_rows(model: type[BaseModel] = Config, prefix: str = "", defaults: BaseModel | None = None
+                   ) -> list[tuple[str, str, str, str]]:
+    """(field path, type, default, description) for every config field, for docs/configuration.md."""
+    rows = []
+    for name, f in model.model_fields.items():
+        if name == "source":
+            continue
+        path = f"{prefix}{name}"
+        ann = f.annotation
+        args = getattr(ann, "__args__", ())
+        sub = next((a for a in (args or (ann,)) if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        default = getattr(defaults, name) if defaults is not None else f.get_default(call_default_factory=True)
+        if sub is not None and getattr(ann, "__origin__", None) is None:
+            doc = (f.description or sub.__doc__ or "").strip()
+            rows.append((path, sub.__name__, "" if default is not None else "None", doc.splitlines()[0] if doc else ""))
+            rows.extend(reference_rows(sub, path + ".", default if isinstance(default, BaseModel) else None))
+            continue
+        if args and isinstance(args[0], type) and issubclass(args[0], BaseModel):
+            rows.append((path, f"list of {args[0].__name__}", "[]", f.description or ""))
+            rows.extend(reference_rows(args[0], path + "[]."))
+            continue
+        shown = "required" if f.is_required() and defaults is None else repr(default)
+        tname = ann.__name__ if isinstance(ann, type) else str(ann).replace("typing.", "").replace(" | ", " or ")
+        rows.append((path, tname, shown, f.description or ""))
+    return rows
+
+
+def reference_markdown() -> str:
+    lines = ["| field | type | default | meaning |", "|---|---|---|---|"]
+    for path, t, d, desc in reference_rows():
+        lines.append(f"| `{path}` | {t} | {d.replace('|', '/')} | {desc} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(reference_markdown())

@@ -110,7 +110,8 @@ class Fleet:
         self._by_model: dict[str, PoolState] = {m: self.pools[p.name] for p in cfg.pools for m in p.models}
         t = cfg.timeouts
         for r in self.replicas:
-            r.http = UpstreamPool(r.url, connect_timeout=t.connect_s, read_timeout=t.read_s)
+            r.http = UpstreamPool(r.url, connect_timeout=t.connect_s, read_timeout=t.read_s,
+                                   header_timeout=t.first_byte_s)
         self._task: asyncio.Task | None = None
 
     # -- reads --

@@ -214,7 +214,8 @@ class _Conn(asyncio.Protocol):
 class UpstreamPool:
     """Keep-alive connections to one upstream base URL (``http://host:port`` or ``https://``)."""
 
-    def __init__(self, base_url: str, connect_timeout: float = 5.0, read_timeout: float = 600.0, max_idle: int = 1024):
+    def __init__(self, base_url: str, connect_timeout: float = 5.0, read_timeout: float = 600.0,
+                 header_timeout: float = 600.0, max_idle: int = 1024):
         u = urlsplit(base_url)
         self.host = u.hostname or "127.0.0.1"
         self.tls = u.scheme == "https"
@@ -223,6 +224,7 @@ class UpstreamPool:
         self.host_header = (u.netloc or self.host).encode()
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
+        self.header_timeout = header_timeout
         self.max_idle = max_idle
         self._idle: list[_Conn] = []
         self._all: set[_Conn] = set()
@@ -263,11 +265,12 @@ class UpstreamPool:
             reused = conn is not None
             if conn is None:
                 conn = await self._connect()
-            resp = Response(conn, self.read_timeout)
+            resp = Response(conn, self.header_timeout)
             conn.resp = resp
             conn.transport.write(data)
             try:
                 await resp.wait_headers()
+                resp._timeout = self.read_timeout
                 return resp
             except UpstreamClosed:
                 resp.close()
