@@ -43,3 +43,41 @@ def test_all_down_still_offers_expired_backoff():
     a.down_until = 0.0
     assert f.candidates(f.pools["p"]) == [a]
     assert not f.ready()
+
+
+async def test_probe_marks_down_then_back_up_and_scrapes_load():
+    """A real HTTP server whose /health flips 200 -> 503 -> 200; /metrics carries vLLM gauges."""
+    import asyncio
+
+    state = {"status": b"200 OK"}
+
+    async def handler(r, w):
+        try:
+            while True:
+                head = await r.readuntil(b"\r\n\r\n")
+                if head.startswith(b"GET /metrics"):
+                    body = METRICS.encode()
+                    w.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+                else:
+                    w.write(b"HTTP/1.1 " + state["status"] + b"\r\ncontent-length: 0\r\n\r\n")
+                await w.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            w.close()
+
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    cfg = from_mapping({"pools": [{"name": "p", "models": ["m"], "replicas": [url]}],
+                        "timeouts": {"retry_after_down_s": 0.01}}, environ={})
+    fleet = Fleet(cfg)
+    (rep,) = fleet.replicas
+    await fleet.check_once()
+    assert rep.healthy and rep.running == 3.0 and rep.prefix_hit_rate == 0.4 and fleet.ready()
+    state["status"] = b"503 Service Unavailable"
+    await fleet.check_once()
+    assert not rep.healthy and "503" in rep.down_reason and not fleet.ready()
+    state["status"] = b"200 OK"
+    await asyncio.sleep(0.02)  # past retry_after_down_s
+    await fleet.check_once()
+    assert rep.healthy and rep.down_reason is None
+    await fleet.stop()
+    server.close()
