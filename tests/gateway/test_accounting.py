@@ -66,7 +66,9 @@ def serve_gateway(vllm_url: str, model: str, tmp: Path, redis_url: str | None = 
     stream = f"usefulwork:test:{uuid.uuid4().hex}"
     cfg = {
         "pools": [{"name": "local", "models": [model], "replicas": [vllm_url],
-                   "gpu": {"type": "cpu-2core", "count": 1, "usd_per_hour": 0.10}}],
+                   "gpu": {"type": "cpu-2core", "count": 1, "usd_per_hour": 0.10},
+                   # an illustrative price sheet so that both cost views have numbers
+                   "prices": {"input_per_1m": 0.05, "output_per_1m": 0.20, "cached_input_per_1m": 0.025}}],
         "ledger": {"jsonl_path": str(tmp / "ledger.jsonl"), "redis_url": redis_url, "redis_stream": stream,
                    "flush_interval_s": 0.2},
         "timeouts": {"health_interval_s": 1.0},
