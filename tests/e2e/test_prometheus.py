@@ -3,9 +3,11 @@ vLLM and answers PromQL for cost per 1K successful requests, which must equal /u
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -63,7 +65,14 @@ def test_promql_cost_per_1k_successful_matches_stats(vllm_server, prometheus_bin
                 time.sleep(0.2)
 
             client = gw.client()
-            for i in range(5):
+            for i in range(2):
+                client.completions.create(model=vllm_server.model, prompt=f"{i} + {i} =", max_tokens=6)
+            # let Prometheus see the series first, so that rate() over the window sees the rest grow
+            deadline = time.monotonic() + 30
+            while _scalar(prom, 'sum(usefulwork_requests_total{outcome="ok"})') != 2:
+                assert time.monotonic() < deadline, _query(prom, "usefulwork_requests_total")
+                time.sleep(0.3)
+            for i in range(2, 5):
                 client.completions.create(model=vllm_server.model, prompt=f"{i} + {i} =", max_tokens=6)
             r = httpx.post(f"{gw.url}/v1/completions", json={"model": "no-such-model", "prompt": "x"}, timeout=10)
             assert r.status_code == 404
@@ -97,6 +106,23 @@ def test_promql_cost_per_1k_successful_matches_stats(vllm_server, prometheus_bin
             assert out_tokens == s["fleet"]["all"]["completion_tokens"]
             assert _scalar(prom, 'sum(usefulwork_requests_total{outcome="rejected"})') == 1
             assert _scalar(prom, "sum(gen_ai_client_operation_duration_seconds_count)") == 6
+
+            _check_grafana_queries(prom)
         finally:
             proc.terminate()
             proc.wait(timeout=20)
+
+
+def _check_grafana_queries(prom: str) -> None:
+    """Every query of deploy/grafana/usefulwork.json is valid PromQL on this server, and the
+    cost-per-useful-work panels have data."""
+    dash = json.loads((Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "usefulwork.json").read_text())
+    checked = 0
+    for panel in dash["panels"]:
+        for target in panel.get("targets", []):
+            expr = target["expr"].replace("$__rate_interval", "1m").replace("$pool", ".*")
+            result = _query(prom, expr)  # raises on invalid PromQL
+            if panel["title"].startswith(("$ per 1K successful", "$ per 1M generated", "Fleet $ / hour")):
+                assert result and float(result[0]["value"][1]) > 0, (panel["title"], expr, result)
+            checked += 1
+    assert checked >= 20
