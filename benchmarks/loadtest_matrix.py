@@ -116,7 +116,7 @@ def section(name: str, data: dict, results_dir: Path) -> list[str]:
 def write_fragment(sections: dict[str, tuple[dict, Path]], path: Path) -> None:
     lines = ["# Benchmarks: loadtest (cost per useful work)", "",
              "Written by `benchmarks/loadtest_matrix.py` from the runs' results files; do not edit by hand.",
-             "Cost = fleet $/hour x the run's window (first send to last answer). $ / 1K successful divides by "
+             "Cost = fleet $/hour x the run's window (run start to last answer). $ / 1K successful divides by "
              "ok requests, $ / 1K good by requests meeting the SLO. \"dropped\" = every request that did not "
              "end ok (timeout, error, shed, cancelled). Latency percentiles: linear interpolation over successful "
              "requests. The gateway column is the gateway's own ledger (GET /usefulwork/stats) over the same window.",

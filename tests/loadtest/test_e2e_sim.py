@@ -20,7 +20,7 @@ backend:
   gpu: {type: A100-80G, count: 1, usd_per_hour: 3.5}
 slo: {ttft_ms: 2000, tpot_ms: 100, e2e_ms: 3000, attainment: 0.9}
 profiles:
-  naive-single: {sim_profile: naive-single}
+  naive-single: {sim_profile: naive-single, time_scale: 5}   # per-profile override
   optimized-batched: {sim_profile: optimized-batched}
 cases:
   steady:
@@ -50,11 +50,15 @@ def test_sim_matrix_through_gateway(tmp_path):
     for r in (naive, opt):
         gw = r["gateway"]["figures"]
         assert gw["requests"] == r["num_prompts"]
-        assert gw["ok"] == r["completed"]
-        assert gw["generated_tokens_ok"] == r["total_output_tokens"]
+        if r is opt:  # nothing timed out: both ledgers must agree exactly
+            assert gw["ok"] == r["completed"]
+            assert gw["generated_tokens_ok"] == r["total_output_tokens"]
+        else:  # a request may finish at the gateway in the same instant the client's timeout fires
+            assert abs(gw["ok"] - r["completed"]) <= 1
         # the gateway prices wall seconds at $/h x time scale: the simulated GPU's dollars
-        assert gw["fleet_usd_per_hour"] == pytest.approx(35.0)
-        assert gw["cost_usd"] == pytest.approx(35.0 * gw["window_s"] / 3600, rel=0.05)
+        wall_price = 3.5 * (5 if r is naive else 10)
+        assert gw["fleet_usd_per_hour"] == pytest.approx(wall_price)
+        assert gw["cost_usd"] == pytest.approx(wall_price * gw["window_s"] / 3600, rel=0.05)
         # its window brackets ours (snapshots just before the first send and after the last answer)
         assert r["gateway"]["compare"]["window_s"]["gateway"] >= r["duration"]
     saved = json.loads((tmp_path / "results.json").read_text())

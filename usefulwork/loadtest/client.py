@@ -155,6 +155,8 @@ async def send(client: httpx.AsyncClient, base_url: str, spec: RequestSpec, mode
         res.outcome, res.error = "error", str(exc)
     except httpx.HTTPError as exc:
         res.outcome, res.error = "error", f"{type(exc).__name__}: {exc}"
+    except Exception as exc:  # noqa: BLE001 - a malformed answer must not kill the run: it is an error outcome
+        res.outcome, res.error = "error", f"{type(exc).__name__}: {exc}"
     res.end = time.perf_counter() - clock0
     if res.outcome != "ok":
         res.ttft = res.ttft if res.chunks else 0.0

@@ -93,6 +93,7 @@ class Profile:
     vllm_args: list[str]
     sim_profile: str
     sim_overrides: dict[str, Any]
+    time_scale: float | None = None  # sim only: overrides backend.time_scale for this profile
 
 
 @dataclass
@@ -159,7 +160,8 @@ def load_experiment(name_or_path: str) -> Experiment:
         p = p or {}
         profiles.append(Profile(name=pname, description=p.get("description", ""),
                                 vllm_args=[str(a) for a in p.get("vllm_args", [])],
-                                sim_profile=p.get("sim_profile", pname), sim_overrides=p.get("sim_overrides") or {}))
+                                sim_profile=p.get("sim_profile", pname), sim_overrides=p.get("sim_overrides") or {},
+                                time_scale=p.get("time_scale")))
     if not profiles:
         raise ExperimentError(f"{src}: no profiles")
     cases = raw.get("cases") or {}
@@ -222,7 +224,7 @@ def _backend_process(exp: Experiment, profile: Profile, port: int, log_path: Pat
     return SimProcess(gpu=b.get("gpu_name", "A100-80G"), model=b.get("model", "Llama-3.1-8B"),
                       precision=b.get("precision", "bf16"), tp=int(b.get("tp", 1)), profile=profile.sim_profile,
                       served_name=b.get("served_name", "llama-3.1-8b"), port=port,
-                      time_scale=float(b.get("time_scale", 1.0)), seed=exp.seed, extra=profile.sim_overrides,
+                      time_scale=time_scale(exp, profile), seed=exp.seed, extra=profile.sim_overrides,
                       log_path=log_path)
 
 
@@ -235,8 +237,18 @@ def usd_per_hour(exp: Experiment) -> float:
     return float(gpu.get("usd_per_hour", 0.0)) * int(gpu.get("count", 1))
 
 
+def time_scale(exp: Experiment, profile: Profile) -> float:
+    """Simulated seconds per wall second for this profile's backend (1 for real backends)."""
+    if exp.backend["kind"] != "sim":
+        return 1.0
+    s = profile.time_scale if profile.time_scale is not None else exp.backend.get("time_scale", 1.0)
+    if float(s) <= 0:
+        raise ExperimentError(f"{exp.source}: time_scale must be > 0, got {s}")
+    return float(s)
+
+
 def gateway_config(exp: Experiment, profile: Profile, backend_url: str, port: int) -> dict[str, Any]:
-    s = float(exp.backend.get("time_scale", 1.0))
+    s = time_scale(exp, profile)
     gpu = exp.backend.get("gpu") or {}
     return {
         "listen": {"host": "127.0.0.1", "port": port},
@@ -400,7 +412,7 @@ def plan(exp: Experiment, opts: Options) -> list[tuple[Profile, dict[str, Any], 
 
 def run_cell(exp: Experiment, profile: Profile, shape: dict[str, Any], case: Case, url: str,
              use_gateway: bool, console: Console | None) -> dict[str, Any]:
-    s = float(exp.backend.get("time_scale", 1.0))
+    s = time_scale(exp, profile)
     arr, dur, timeout, drain = to_wall(case, s)
     load = LoadSpec(arrival=arrivals.from_spec(arr) if arr else None, concurrency=case.concurrency, duration_s=dur,
                     num_requests=case.num_requests, timeout_s=timeout, drain_s=drain, seed=exp.seed)
@@ -463,7 +475,8 @@ def meta(exp: Experiment) -> dict[str, Any]:
     else:
         m["serving hardware"] = f"simulated {b.get('gpu_name', 'A100-80G')} x{b.get('tp', 1)} (usefulwork sim)"
         m["model"] = f"{b.get('model', 'Llama-3.1-8B')} {b.get('precision', 'bf16')}"
-        m["time scale"] = b.get("time_scale", 1.0)
+        m["time scale"] = ", ".join(f"{p.name}: {time_scale(exp, p):g}" for p in exp.profiles) + \
+            " simulated s per wall s (results are in simulated seconds)"
     gpu = b.get("gpu") or {}
     m["price"] = f"{gpu.get('type', '?')} x{gpu.get('count', 1)} at ${gpu.get('usd_per_hour', 0)}/hour each"
     return m

@@ -1,7 +1,7 @@
 """The gateway's own ledger figures for the window of a load run, next to the load generator's.
 
 ``GET /usefulwork/stats`` (docs/accounting.md) gives running totals since the gateway started
-(``fleet.all``). A snapshot just before the first send and one after the last request was
+(``fleet.all``). A snapshot just before the run starts and one after the last request was
 counted give the gateway's counts and GPU cost for (almost exactly) the run's window; the two
 views must agree, and ``compare`` reports by how much they do not.
 

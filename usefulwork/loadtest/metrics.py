@@ -5,7 +5,7 @@ Field names follow ``vllm bench serve``'s saved JSON where they overlap (``compl
 Percentiles use linear interpolation (numpy's default, as vLLM's) over SUCCESSFUL requests only.
 
 Definitions:
-- duration: first send to the end of the last request (any outcome): the window the fleet was
+- duration: run start to the end of the last request (any outcome): the window the fleet was
   paid for. Cost = fleet $/hour x duration.
 - good request: ok AND ttft <= slo.ttft_ms AND tpot <= slo.tpot_ms (when defined) AND e2el <= slo.e2e_ms.
 - SLO pass rate: good / all requests sent (dropped work counts against it). The run passes its SLO
@@ -112,7 +112,10 @@ def summarize(results: Sequence[RequestResult], *, slo: SLOSpec, usd_per_hour: f
               percentiles: Sequence[float] = DEFAULT_PERCENTILES) -> dict[str, Any]:
     """The run's figures (no per-request arrays; see ``per_request_arrays``)."""
     ok = [r for r in results if r.outcome == "ok"]
-    start = min((r.sent for r in results), default=0.0)
+    # The window starts when the run starts (offset 0), not at the first send: an open-loop run's
+    # first arrival comes a random gap later, and the fleet is paid for that gap too (vLLM bench
+    # measures its duration the same way).
+    start = 0.0
     end = max((r.end for r in results), default=0.0)
     duration = max(end - start, 1e-9) if results else 0.0
     good = sum(1 for r in results if is_good(r, slo))

@@ -57,4 +57,4 @@ class LiveProgress:
             sent_rate, ok_rate = c.rate()
             self.console.print(
                 f"[{self.title}] {now - c.started:6.0f}s sent={c.sent} ok={c.ok} dropped={c.dropped} "
-                f"in_flight={c.in_flight} send_rate={sent_rate:.2f}/s ok_rate={ok_rate:.2f}/s", highlight=False)
+                f"in_flight={c.in_flight} send_rate={sent_rate:.2f}/s ok_rate={ok_rate:.2f}/s", highlight=False, soft_wrap=True)

@@ -195,7 +195,7 @@ def render_html(data: dict[str, Any]) -> str:
                      html.escape(str(r.get("outcome_counts")))])
     parts.append(_table(["run", "workload", "load", "outcomes"], rows))
     parts.append("<p>Costs cover the serving fleet's GPU (or CPU) time only: fleet $/hour x the run's window "
-                 "(first send to last answer). Percentiles: linear interpolation over successful requests.</p>")
+                 "(run start to last answer). Percentiles: linear interpolation over successful requests.</p>")
     parts.append("</body></html>")
     return "".join(parts)
 

@@ -1,0 +1,45 @@
+"""`usefulwork loadtest` command line: bad input stops with a clear message (exit 2), nothing sent."""
+
+import argparse
+
+import pytest
+
+from usefulwork.loadtest import cli
+
+
+def _run(argv, capsys):
+    p = argparse.ArgumentParser()
+    cli.configure_parser(p)
+    rc = cli.run(p.parse_args(argv))
+    return rc, capsys.readouterr()
+
+
+def test_malformed_trace_names_the_line(tmp_path, capsys):
+    f = tmp_path / "trace.jsonl"
+    f.write_text('{"timestamp": 0, "input_length": 10, "output_length": 5}\n{"timestamp": 1, "input_length": 10}\n')
+    # port 38999 has nothing listening: the error must come from the file, before any request
+    rc, out = _run(["--url", "http://127.0.0.1:38999", "--workload", "mooncake", "--file", str(f)], capsys)
+    assert rc == 2
+    assert "trace.jsonl:2: missing field 'output_length'" in out.err.replace("\n", "")
+
+
+def test_unknown_case_and_experiment(capsys):
+    rc, out = _run(["--experiment", "cost", "--case", "nope", "--dry-run"], capsys)
+    assert rc == 2 and "unknown case 'nope'" in out.err.replace("\n", "")
+    rc, out = _run(["--experiment", "nosuch"], capsys)
+    assert rc == 2 and "unknown experiment 'nosuch'" in out.err.replace("\n", "")
+
+
+def test_load_spec_errors(capsys):
+    rc, out = _run(["--url", "http://127.0.0.1:38999", "--rate", "1"], capsys)
+    assert rc == 2 and "stop by duration or by request count" in out.err.replace("\n", "")
+    rc, out = _run(["--url", "http://127.0.0.1:38999", "--num-requests", "3"], capsys)
+    assert rc == 2 and "choose an arrival process" in out.err.replace("\n", "")
+    with pytest.raises(SystemExit):
+        _run(["--arrival", "zipf"], capsys)
+
+
+def test_dry_run_lists_cells(capsys):
+    rc, out = _run(["--experiment", "cost-a100", "--dry-run"], capsys)
+    assert rc == 0
+    assert out.err.count("512x128") == 4 and "optimized-batched" in out.err
