@@ -168,3 +168,19 @@ def test_real_tokenizer_output_words_are_single_tokens():
     assert tok.exact
     text = "".join(t.text for t in tok.vocab[:50])
     assert len(tok.encode(text, add_special_tokens=False)) == 50
+
+
+def test_non_streamed_request_is_aborted_when_the_client_leaves(a100):
+    before = httpx.get(f"{a100.base_url}/metrics", timeout=5).text
+    aborted0 = sum(float(line.rsplit(" ", 1)[1]) for line in before.splitlines()
+                   if line.startswith("vllm:request_success_total") and 'finished_reason="abort"' in line)
+    body = {"model": "llama", "prompt": "a very long answer please", "max_tokens": 5000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{a100.base_url}/v1/completions", json=body, timeout=0.5)
+    deadline = time.monotonic() + 5
+    while metric(a100.base_url, "vllm:num_requests_running") > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    text = httpx.get(f"{a100.base_url}/metrics", timeout=5).text
+    aborted = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                  if line.startswith("vllm:request_success_total") and 'finished_reason="abort"' in line)
+    assert aborted == aborted0 + 1 and metric(a100.base_url, "vllm:num_requests_running") == 0

@@ -302,16 +302,9 @@ def build_app(server: SimServer) -> Starlette:
             gen = _stream_chat(req, sink, parsed, rid, created) if kind == "chat" else _stream_completion(
                 req, sink, parsed, rid, created)
             return StreamingResponse(gen, media_type="text/event-stream")
-        try:
-            tokens: list[int] = []
-            while True:
-                new, done = await sink.drain()
-                tokens.extend(new)
-                if done:
-                    break
-        except asyncio.CancelledError:
-            server.runner.abort(req)
-            raise
+        tokens = await _collect(request, req, sink)
+        if tokens is None:  # the client went away: vLLM aborts the request too
+            return Response(status_code=499)
         text = server.text(tokens)
         if kind == "chat":
             lp = server.chat_logprobs(req, 0, tokens, parsed.logprobs) if parsed.logprobs is not None else None
@@ -336,6 +329,33 @@ def build_app(server: SimServer) -> Starlette:
             "usage": server.usage(req), "prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None,
             "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None,
         })
+
+    async def _collect(request: Request, req: SimRequest, sink: StreamSink) -> list[int] | None:
+        """All tokens of a non-streamed request, or None if the client disconnected first."""
+
+        async def tokens() -> list[int]:
+            out: list[int] = []
+            while True:
+                new, done = await sink.drain()
+                out.extend(new)
+                if done:
+                    return out
+
+        async def disconnected() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        work = asyncio.ensure_future(tokens())
+        watch = asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+        if work.done():
+            return work.result()
+        work.cancel()
+        server.runner.abort(req)
+        return None
 
     def _sse(obj: dict[str, Any]) -> bytes:
         return b"data: " + orjson.dumps(obj) + b"\n\n"

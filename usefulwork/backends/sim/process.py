@@ -24,8 +24,8 @@ import httpx
 
 @dataclass
 class SimProcess:
-    gpu: str | None = "A100-80G"
-    model: str | None = "Llama-3.1-8B"
+    gpu: str | None = None  # None: the profile's (cpu) or A100-80G
+    model: str | None = None  # None: the profile's (cpu) or Llama-3.1-8B
     precision: str = "bf16"
     tp: int = 1
     profile: str = "optimized-batched"
