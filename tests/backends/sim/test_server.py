@@ -184,3 +184,19 @@ def test_non_streamed_request_is_aborted_when_the_client_leaves(a100):
     aborted = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                   if line.startswith("vllm:request_success_total") and 'finished_reason="abort"' in line)
     assert aborted == aborted0 + 1 and metric(a100.base_url, "vllm:num_requests_running") == 0
+
+
+def test_cli_config_file_with_command_line_precedence(tmp_path):
+    cfg = tmp_path / "sim.yaml"
+    cfg.write_text("gpu: H100-SXM\nmodel: Llama-3.1-70B\nprecision: int8\ntp: 2\nmax-num-seqs: 64\n"
+                   "enable_chunked_prefill: false\nmax_num_batched_tokens: 16384\nmax_model_len: 16384\n")
+    out = subprocess.run([sys.executable, "-m", "usefulwork.cli", "sim", "--config", str(cfg), "--tp", "4",
+                          "--print-spec"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    spec = json.loads(out.stdout)
+    assert (spec["gpu"], spec["model"], spec["precision"], spec["tp"]) == ("H100-SXM", "Llama-3.1-70B", "int8", 4)
+    assert spec["flags"]["max_num_seqs"] == 64 and spec["flags"]["enable_chunked_prefill"] is False
+    cfg.write_text("max_num_sequences: 3\n")
+    bad = subprocess.run([sys.executable, "-m", "usefulwork.cli", "sim", "--config", str(cfg), "--print-spec"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown setting" in bad.stderr
