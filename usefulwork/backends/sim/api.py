@@ -83,7 +83,6 @@ class ParsedRequest:
     ignore_eos: bool
     logprobs: int | None  # number of top alternatives (0 = only the sampled token), None = off
     seed: int | None
-    echo_prompt: str | None = None
 
 
 class SimServer:

@@ -81,7 +81,7 @@ class SimTokenizer:
         self.eos_token = "<|im_end|>"
         self.bos_token = "<|im_start|>"
         template = DEFAULT_CHAT_TEMPLATE
-        if model_dir is not None and (model_dir / "tokenizer.json").exists():
+        if model_dir is not None and (model_dir / "tokenizer.json").exists() and _has("tokenizers"):
             from tokenizers import Tokenizer
 
             self._tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
@@ -142,8 +142,24 @@ def _token_str(v: Any) -> str | None:
     return v if isinstance(v, str) else None
 
 
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+class _ChatMLTemplate:
+    """Fallback without jinja2: ChatML, the SmolLM2 template's shape."""
+
+    def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **_: Any) -> str:
+        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
 def _compile_template(source: str):
     # As transformers renders chat templates: sandboxed, trim_blocks + lstrip_blocks.
+    if not _has("jinja2"):
+        return _ChatMLTemplate()
     from jinja2.exceptions import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
