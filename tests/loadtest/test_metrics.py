@@ -54,6 +54,8 @@ def test_summary_hand_computed():
     assert s["p99_e2el_ms"] == pytest.approx(3980.0)
     assert s["mean_tpot_ms"] == pytest.approx(140.0)
     assert s["mean_itl_ms"] == pytest.approx(500 / 3)
+    results[3].chunks = 7  # the timed-out request had streamed 7 chunks: wasted work
+    assert summarize(results, slo=slo, usd_per_hour=3.6)["wasted_output_tokens"] == 7
     assert s["max_concurrent_requests"] == 2  # [0,2] [1,5] [2,3] [3,10]: never three at once
     # cost: $3.6/h for 10 s = $0.01
     assert s["cost_usd"] == pytest.approx(0.01)

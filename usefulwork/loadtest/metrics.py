@@ -139,6 +139,8 @@ def summarize(results: Sequence[RequestResult], *, slo: SLOSpec, usd_per_hour: f
         "output_throughput": total_out / duration if duration else 0.0,
         "total_token_throughput": (total_in + total_out) / duration if duration else 0.0,
         "max_concurrent_requests": max_concurrency(results),
+        # Tokens streamed to requests that then failed (timed out mid-answer, ...): paid-for waste.
+        "wasted_output_tokens": sum(r.chunks for r in results if r.outcome != "ok"),
         "good": good,
         "slo_pass_rate": good / len(results) if results else 0.0,
         "slo": asdict(slo),
