@@ -219,6 +219,37 @@ async def measure_cpu(url: str, concurrency: int, n_requests: int, n_words: int,
     }
 
 
+async def measure_open_loop(url: str, arrivals: list[float], n_words: int, max_tokens: int,
+                            timeout_s: float) -> dict[str, float]:
+    """Requests at the given times; a request not done within timeout_s is dropped (disconnect)."""
+    rng = random.Random(len(arrivals))
+    ok: list[tuple[float, float, int, int]] = []
+    dropped = 0
+    limits = httpx.Limits(max_connections=len(arrivals) + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        await one_request(client, url, "warm up", 4)
+        t0 = time.perf_counter()
+
+        async def send(i: int, at: float) -> None:
+            nonlocal dropped
+            await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+            try:
+                ok.append(await asyncio.wait_for(
+                    one_request(client, url, cpu_prompt(i, rng, n_words), max_tokens), timeout_s))
+            except asyncio.TimeoutError:
+                dropped += 1
+
+        await asyncio.gather(*(send(i, at) for i, at in enumerate(arrivals)))
+    e2e = sorted(r[1] for r in ok)
+    return {
+        "ok": len(ok), "dropped": dropped,
+        "p50_s": e2e[int(0.5 * (len(e2e) - 1) + 0.5)] if e2e else float("nan"),
+        "p95_s": e2e[int(0.95 * (len(e2e) - 1) + 0.5)] if e2e else float("nan"),
+        "itl_ms": 1e3 * sum((r[1] - r[0]) / (r[2] - 1) for r in ok) / len(ok) if ok else float("nan"),
+        "prompt_tokens": sum(r[3] for r in ok) / len(ok) if ok else 0.0,
+    }
+
+
 def predict_cpu(concurrency: int, n_requests: int, prompt_tokens: int, max_tokens: int) -> tuple[float, float, float]:
     spec = build_spec(profile="cpu")
     res = closed_loop(spec, concurrency, n_requests, prompt_tokens, max_tokens)
@@ -253,6 +284,30 @@ def vllm_server(url: str | None):
         yield server.base_url
     finally:
         server.stop()
+
+
+OPEN_LOOP_RATES = (0.4, 0.6)
+
+
+def open_loop_table(vllm_url: str | None) -> str:
+    from usefulwork.backends.sim.offline import open_loop, poisson_arrivals
+
+    rows = ["| rate req/s | ok meas / pred | dropped meas / pred | p50 e2e s meas / pred | p95 e2e s meas / pred "
+            "| ITL ms meas / pred |", "|---|---|---|---|---|---|"]
+    with cpu_lock(), vllm_server(vllm_url) as url:
+        for rate in OPEN_LOOP_RATES:
+            arrivals = poisson_arrivals(rate, 60.0, seed=1)
+            deadline = time.monotonic() + 60
+            while server_busy(url) > 0 and time.monotonic() < deadline:
+                time.sleep(0.5)
+            m = asyncio.run(measure_open_loop(url, arrivals, 385, 128, 30.0))
+            print(f"# open loop {rate}: {m}", file=sys.stderr)
+            p = open_loop(build_spec(profile="cpu"), arrivals, round(m["prompt_tokens"]) or 480, 128, 30.0)
+            itl = sum(r.itl for r in p.ok) / len(p.ok) * 1e3 if p.ok else float("nan")
+            rows.append(f"| {rate} | {m['ok']} / {len(p.ok)} | {m['dropped']} / {p.dropped} "
+                        f"| {m['p50_s']:.1f} / {p.percentile_e2e(0.5):.1f} | {m['p95_s']:.1f} / {p.percentile_e2e(0.95):.1f} "
+                        f"| {m['itl_ms']:.1f} / {itl:.1f} |")
+    return "\n".join(rows)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -328,6 +383,9 @@ def main() -> int:
     ap.add_argument("--nominal", action="store_true",
                     help="also predict at llmperf's nominal concurrency (what a client without the wave bug sees)")
     ap.add_argument("--a10g-requests", type=int, default=0, help="requests per A10G point (default: max(150, 8 x conc))")
+    ap.add_argument("--open-loop", action="store_true",
+                    help="also the cost experiment's shape: Poisson 0.4/0.6 req/s for 60 s, 480 in / 128 out, "
+                         "30 s client timeout, naive (max_num_seqs 1) at 0.1 req/s (real vs simulated)")
     ap.add_argument("--host-cost", action="store_true",
                     help="also measure the simulator's own CPU cost per streamed token and clock lag")
     ap.add_argument("--json", type=Path, default=None)
@@ -379,6 +437,9 @@ def main() -> int:
     print(table(points))
     ok = all(p.within_target() for p in points if "(info)" not in p.reference)
     print(f"\ntarget (throughput and ITL within 15% at every point): {'MET' if ok else 'MISSED'}")
+    if args.open_loop:
+        print("\n# open loop (Poisson), 480-token prompts, 128 output tokens, 30 s client timeout, 60 s of arrivals")
+        print(open_loop_table(args.vllm_url))
     if args.host_cost:
         print("\n# simulator host cost (client and sim on the same 2 cores; the client is Python httpx)")
         print(host_cost([1.0, 10.0, 50.0], 64, 8.0))

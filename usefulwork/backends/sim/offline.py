@@ -92,3 +92,52 @@ def closed_loop(
                 sent += 1
         active = still
     return LoadResult(done, engine.now, sum(r.output_tokens for r in done))
+
+
+@dataclass
+class OpenLoopResult:
+    ok: list[RequestResult]  # finished within the client timeout
+    dropped: int  # timed out at the client (aborted on the server, as a disconnect does)
+
+    def percentile_e2e(self, q: float) -> float:
+        xs = sorted(r.e2e for r in self.ok)
+        return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))] if xs else float("nan")
+
+
+def poisson_arrivals(rate: float, duration_s: float, seed: int = 0) -> list[float]:
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    while True:
+        t += rng.expovariate(rate)
+        if t > duration_s:
+            return out
+        out.append(t)
+
+
+def open_loop(
+    spec: SimSpec,
+    arrivals: list[float],
+    prompt_len: int,
+    output_len: int,
+    timeout_s: float = 30.0,
+    seed: int = 0,
+) -> OpenLoopResult:
+    """Requests at fixed times (e.g. Poisson); a request not finished `timeout_s` after it was sent
+    is dropped by the client, and the server aborts it (frees its batch slot and KV blocks)."""
+    engine = SimEngine(spec, seed=seed)
+    rng = random.Random(seed)
+    reqs = [engine.add_request(_prompt(rng, prompt_len), output_len, ignore_eos=True, arrival_time=t)
+            for t in arrivals]
+    deadlines = sorted(reqs, key=lambda r: r.arrival_time + timeout_s)
+    i = 0
+    while engine.has_work():
+        # Abort every request whose client gave up before the next step starts.
+        while i < len(deadlines) and deadlines[i].arrival_time + timeout_s <= engine.now:
+            if deadlines[i].finish_time is None:
+                engine.abort(deadlines[i])
+            i += 1
+        if engine.step() is None:
+            break
+    ok = [RequestResult(r.first_token_time - r.arrival_time, r.finish_time - r.arrival_time, r.num_output_tokens)
+          for r in reqs if r.finish_reason in ("length", "stop") and r.finish_time - r.arrival_time <= timeout_s]
+    return OpenLoopResult(ok, len(reqs) - len(ok))
