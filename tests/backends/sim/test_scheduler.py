@@ -236,3 +236,15 @@ def test_vllm_device_defaults_for_optimized_batched():
     assert a100.flags.max_num_seqs == 256 and a100.max_num_batched_tokens == 2048
     assert build_spec("A100-80G", "Llama-3.1-8B", profile="naive-single").flags.max_num_seqs == 1
     assert build_spec("A100-80G", "Llama-3.1-8B", overrides={"max-num-seqs": 64}).flags.max_num_seqs == 64
+
+
+def test_open_loop_client_timeouts_drop_and_free_requests_under_overload():
+    from usefulwork.backends.sim.offline import open_loop, poisson_arrivals
+
+    arrivals = poisson_arrivals(0.6, 60.0, seed=1)
+    naive = open_loop(build_spec(profile="cpu", overrides={"max_num_seqs": 1}), arrivals, 480, 128, timeout_s=30.0)
+    batched = open_loop(build_spec(profile="cpu"), arrivals, 480, 128, timeout_s=30.0)
+    assert naive.dropped > 0 and len(naive.ok) + naive.dropped == len(arrivals)
+    assert batched.dropped == 0 and len(batched.ok) == len(arrivals)
+    assert all(r.e2e <= 30.0 for r in naive.ok)
+    assert batched.percentile_e2e(0.95) < naive.percentile_e2e(0.95)
