@@ -63,6 +63,7 @@ class _Interval:
     work: float = 0.0
     by_share: dict[int, float] = field(default_factory=dict)  # id(Share) -> work
     shares: dict[int, Share] = field(default_factory=dict)
+    by_tenant: dict[str, float] = field(default_factory=dict)  # for the live (provisional) view
 
 
 @dataclass(slots=True)
@@ -147,6 +148,7 @@ class PoolMeter:
             share.pending += 1
         iv.by_share[sid] += w
         iv.work += w
+        iv.by_tenant[share.tenant] = iv.by_tenant.get(share.tenant, 0.0) + w
 
     # -- settlement --
     def settle(self, frontier: float) -> list[Settled]:
@@ -212,8 +214,8 @@ class PoolMeter:
             if iv is None or iv.work <= 0:
                 idle += usd
                 continue
-            for sid, share in iv.shares.items():
-                by_tenant[share.tenant] = by_tenant.get(share.tenant, 0.0) + usd * iv.by_share[sid] / iv.work
+            for tenant, w in iv.by_tenant.items():
+                by_tenant[tenant] = by_tenant.get(tenant, 0.0) + usd * w / iv.work
         return idle, by_tenant
 
 

@@ -245,11 +245,13 @@ class Accountant:
             self._held[id(share)] = (share, rec)
 
     def frontier(self, now: float) -> float:
-        """Settle up to here: no running request can still book work before it."""
-        grace = 2 * self.cfg.cost.interval_s + self.cfg.ledger.flush_interval_s
+        """Settle up to here: no running or not-yet-accounted request can still book work before it."""
+        grace = 2 * self.cfg.cost.interval_s  # clock skew between perf_counter and wall clock spans
+        # finished but still queued (they finished during this pass's awaits): not booked yet
+        queued = min((c.wall_start for c in self._queue), default=now)
         if not self._tracks_starts:
-            return now - max(self.settle_hold_s, grace)
-        oldest = min(self._inflight.values(), default=now)
+            return min(now - max(self.settle_hold_s, grace), queued)
+        oldest = min(min(self._inflight.values(), default=now), queued)
         return max(min(now - grace, oldest), now - MAX_HOLD_S)
 
     def _settle(self, final: bool) -> None:

@@ -8,7 +8,6 @@ same seconds. The JSON produced by :meth:`Stats.snapshot` is documented in docs/
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -154,6 +153,7 @@ class Stats:
         self.pools: dict[str, Ring] = {name: Ring() for name in meters}
         self.tenants: dict[str, Ring] = {}
         self.started_at = min((m.started_at for m in meters.values()), default=None)
+        self._memo: dict[tuple, tuple[float, dict[str, float]]] = {}
 
     def _tenant(self, name: str) -> Ring:
         ring = self.tenants.get(name)
@@ -193,6 +193,14 @@ class Stats:
             return b_now, self.started_at if self.started_at is not None else now
         return b_now, (b_now - n + 1) * BUCKET_S
 
+    def _provisional(self, name: str, a: float, b: float) -> tuple[float, dict[str, float]]:
+        """A pool's open-interval split of [a, b], memoized for the snapshot being built."""
+        key = (name, a, b)
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = self.meters[name].provisional(a, b)
+        return hit
+
     def _gpu(self, pools: Iterable[str], a: float, b: float, v: np.ndarray) -> tuple[float, float]:
         """(cost, idle) of the given pools over [a, b]: time-based cost, settled + provisional idle."""
         cost = idle = 0.0
@@ -201,13 +209,13 @@ class Stats:
             if m is None:
                 continue
             cost += m.cost_between(a, b)
-            idle += m.provisional(a, b)[0]
+            idle += self._provisional(name, a, b)[0]
         return cost, idle + float(v[C["idle_usd"]])
 
     def _tenant_usd(self, tenant: str, a: float, b: float, v: np.ndarray) -> float:
         usd = float(v[C["attributed_usd"]])
-        for m in self.meters.values():
-            usd += m.provisional(a, b)[1].get(tenant, 0.0)
+        for name in self.meters:
+            usd += self._provisional(name, a, b)[1].get(tenant, 0.0)
         return usd
 
     def windows(self, kind: str, name: str | None, now: float) -> dict:
@@ -271,6 +279,7 @@ class Stats:
         return {"pools": pools, **tot}
 
     def snapshot(self, now: float, with_series: bool = False) -> dict:
+        self._memo = {}
         out = {
             "now": now,
             "started_at": self.started_at,
@@ -290,8 +299,6 @@ class Stats:
         }
         if with_series:
             out["series"] = self.series(now)
+        self._memo = {}
         return out
 
-
-def finite(x: float | None) -> float | None:
-    return x if x is not None and math.isfinite(x) else None
