@@ -102,3 +102,52 @@ async def test_gpu_attributed_and_idle_cost_counters_add_up_to_the_fleet_cost():
     # settled so far = fleet cost up to the frontier (now - settle hold)
     assert settled_cost == pytest.approx((3.6 + 7.2) / 3600 * (100 - 30), abs=1e-9)
     assert by_view["gpu_attributed"] > 0
+
+
+async def test_otlp_http_export_when_configured(tmp_path):
+    """Spans and metrics are pushed over OTLP/HTTP (protobuf) to the configured endpoint: here a
+    real HTTP server on our port range that decodes what it receives."""
+    import http.server
+    import threading
+
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    from tests.gateway.test_accounting import free_port_in_range
+
+    got: dict[str, list] = {"/v1/traces": [], "/v1/metrics": []}
+
+    class Receiver(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (http.server's naming)
+            body = self.rfile.read(int(self.headers["content-length"]))
+            msg = ExportTraceServiceRequest() if self.path == "/v1/traces" else ExportMetricsServiceRequest()
+            msg.ParseFromString(body)
+            got.setdefault(self.path, []).append(msg)
+            self.send_response(200)
+            self.send_header("content-type", "application/x-protobuf")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    port = free_port_in_range()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Receiver)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        cfg = make_cfg(telemetry={"otlp_endpoint": f"http://127.0.0.1:{port}", "service_name": "uw-test"})
+        acc, _, clock = make_accountant(cfg)
+        acc.telemetry = Telemetry(cfg, acc.meters, prometheus=False, clock=clock)
+        await acc.start()
+        acc.finish(ctx_at(T0 + 1))
+        clock.t = T0 + 5
+        await acc.stop()  # shuts the providers down, which flushes both exporters
+    finally:
+        server.shutdown()
+    spans = [s for req in got["/v1/traces"] for rs in req.resource_spans for ss in rs.scope_spans for s in ss.spans]
+    assert [s.name for s in spans] == ["chat s"]
+    names = {m.name for req in got["/v1/metrics"] for rm in req.resource_metrics for sm in rm.scope_metrics
+             for m in sm.metrics}
+    assert {"usefulwork.requests", "gen_ai.client.token.usage", "usefulwork.gpu.cost.usd"} <= names
+    service = {a.value.string_value for req in got["/v1/traces"] for rs in req.resource_spans
+               for a in rs.resource.attributes if a.key == "service.name"}
+    assert service == {"uw-test"}
