@@ -74,10 +74,10 @@ class Workload(Protocol):
 @lru_cache(maxsize=1)
 def words() -> tuple[str, ...]:
     """Lower-case words that the SmolLM2 tokenizer encodes as ONE token each when space-prefixed."""
-    text = resources.files("usefulwork.loadtest").joinpath("data/words.txt").read_text()
-    out = tuple(w for w in text.split() if w)
+    text = resources.files("usefulwork.loadtest").joinpath("data/words.json").read_text()
+    out = tuple(w for w in json.loads(text) if w)
     if len(out) < 100:
-        raise WorkloadError("usefulwork/loadtest/data/words.txt is missing or too short")
+        raise WorkloadError("usefulwork/loadtest/data/words.json is missing or too short")
     return out
 
 
