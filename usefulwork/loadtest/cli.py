@@ -122,6 +122,9 @@ def run(args: argparse.Namespace) -> int:
         return _single(args, console)
     except (WorkloadError, ArrivalError, ValueError, FileNotFoundError) as exc:
         return _fail(console, str(exc))
+    except (RuntimeError, TimeoutError) as exc:  # a backend or the gateway could not start
+        _fail(console, str(exc))
+        return 1
 
 
 def _rerender(args: argparse.Namespace, console: Console) -> int:
