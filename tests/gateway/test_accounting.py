@@ -133,23 +133,24 @@ def test_sigterm_loses_no_record_jsonl_and_redis(vllm_server, redis_url, tmp_pat
         with pytest.raises((openai.BadRequestError, openai.UnprocessableEntityError)):
             client.chat.completions.create(model=vllm_server.model, messages="not a list")
         # A stream still running when SIGTERM arrives must be accounted for too.
-        long_done = threading.Event()
+        streaming = threading.Event()
 
         def long_stream():
             try:
                 for _ in client.completions.create(model=vllm_server.model, prompt="Once upon a time",
                                                    max_tokens=120, stream=True, extra_body={"ignore_eos": True}):
-                    pass
+                    streaming.set()
             except Exception:
                 pass
-            long_done.set()
+            streaming.set()
 
         t = threading.Thread(target=long_stream)
         t.start()
         deadline = time.monotonic() + 30
         while gw.stats()["ledger"]["finished"] < 5 and time.monotonic() < deadline:
             time.sleep(0.05)
-        time.sleep(0.5)  # the long stream is now in flight
+        assert streaming.wait(30)
+        time.sleep(0.6)  # a ledger pass while the stream runs: finished records are held back
         held = gw.stats()["ledger"]["held_for_settlement"]
         rc = stop(gw)
         t.join(timeout=30)
@@ -190,6 +191,13 @@ def test_cut_stream_is_estimated_and_stats_match_the_ledger(vllm_server, tmp_pat
         s = gw.stats()
         f = s["fleet"]["all"]
         assert f["requests"] == 3 and f["ok"] == 2 and f["client_cancelled"] == 1
+        deadline = time.monotonic() + 15
+        while gw.stats()["ledger"]["held_for_settlement"] and time.monotonic() < deadline:
+            time.sleep(0.2)  # nothing in flight: the requests' seconds settle within a few seconds
+        books = gw.stats()["conservation"]
+        assert books["attributed_usd"] > 0
+        assert books["attributed_usd"] + books["idle_usd"] == pytest.approx(books["cost_usd"], abs=1e-12)
+        assert len(gw.ledger()) == 3  # written before shutdown
         assert f["estimated_usage"] == 1 and s["ledger"]["token_estimator"] == "tokenizer"
         assert f["gpu"]["cost_usd"] == pytest.approx(0.10 / 3600 * s["uptime_s"], rel=0.05)
         assert stop(gw) == 0

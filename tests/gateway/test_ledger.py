@@ -82,6 +82,7 @@ def test_judge_slo():
 
 async def test_every_outcome_gets_one_record_with_costs_and_stop_flushes_all():
     acc, sink, clock = make_accountant()
+    acc.fleet.replicas[0].inflight = 1  # a request still running somewhere: settlement holds back
     await acc.start()
     outcomes = ["ok", "ok", "shed", "error", "client_cancelled", "timeout", "rejected"]
     for i, outcome in enumerate(outcomes):
@@ -109,6 +110,23 @@ async def test_every_outcome_gets_one_record_with_costs_and_stop_flushes_all():
     cons = acc.snapshot()["conservation"]
     assert cons["attributed_usd"] + cons["idle_usd"] == pytest.approx(cons["cost_usd"], abs=1e-9)
     assert cons["cost_usd"] == pytest.approx(fleet_cost, abs=1e-9)
+
+
+async def test_idle_fleet_settles_at_once_busy_fleet_holds_back():
+    acc, sink, clock = make_accountant()
+    await acc.start()
+    acc.finish(ctx_at(T0 + 1, dur=1.0))
+    clock.t = T0 + 10
+    await asyncio.sleep(0.3)
+    assert len(sink.records) == 1  # no replica has a request in flight: nothing can book before now
+    acc.fleet.replicas[1].inflight = 2
+    acc.finish(ctx_at(T0 + 5, dur=1.0))
+    await asyncio.sleep(0.3)
+    assert len(sink.records) == 1  # busy: held for settle_hold_s (30 s) in case a long request ends
+    clock.t = T0 + 40
+    await asyncio.sleep(0.3)
+    assert len(sink.records) == 2
+    await acc.stop()
 
 
 async def test_records_wait_for_the_oldest_running_request_when_starts_are_reported():

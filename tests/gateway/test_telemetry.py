@@ -26,6 +26,7 @@ def _points(reader: InMemoryMetricReader) -> dict[str, list]:
 
 async def _run(cfg, ctxs, clock_end: float):
     acc, sink, clock = make_accountant(cfg)
+    acc.fleet.replicas[0].inflight = 1  # busy fleet: settlement holds back settle_hold_s
     reader, spans = InMemoryMetricReader(), InMemorySpanExporter()
     acc.telemetry = Telemetry(cfg, acc.meters, prometheus=True, metric_readers=[reader], span_exporters=[spans],
                               clock=clock)

@@ -11,7 +11,8 @@ and, per batch:
    ``gpu_cost_usd``; completed records go to the sinks (JSONL, Redis Stream) in one write each.
 
 A record therefore reaches the sinks once its GPU-time share is final: shortly after the request
-ends when the gateway reports request starts (``begin``), else after ``settle_hold_s``. ``stop()``
+ends when the gateway reports request starts (``begin``) or when no replica has a request in
+flight, else after ``settle_hold_s``. ``stop()``
 settles everything up to now and flushes every sink, so a SIGTERM loses nothing.
 """
 
@@ -250,7 +251,11 @@ class Accountant:
         # finished but still queued (they finished during this pass's awaits): not booked yet
         queued = min((c.wall_start for c in self._queue), default=now)
         if not self._tracks_starts:
-            return min(now - max(self.settle_hold_s, grace), queued)
+            # Without start reports: nothing on any replica means nothing running can still book
+            # work (the gateway counts a request on its replica from before it is sent until after
+            # its response ended), so settle up to now; otherwise hold back settle_hold_s.
+            busy = any(r.inflight > 0 for r in self.fleet.replicas)
+            return min(now - (max(self.settle_hold_s, grace) if busy else grace), queued)
         oldest = min(min(self._inflight.values(), default=now), queued)
         return max(min(now - grace, oldest), now - MAX_HOLD_S)
 
