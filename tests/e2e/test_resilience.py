@@ -98,3 +98,31 @@ def test_retry_before_first_byte_hides_a_dead_replica(vllm_server, tmp_path):
             assert "".join(c.choices[0].text for c in stream if c.choices) is not None
     finally:
         gw.stop()
+
+
+def test_client_closing_right_after_done_is_not_a_cancel(vllm_server, tmp_path):
+    """A client that hangs up the moment it has [DONE] got everything: the ledger says ok."""
+    import json
+    import socket
+
+    ledger = tmp_path / "ledger.jsonl"
+    gw = start_gateway(tmp_path, pool_cfg(vllm_server.model, [vllm_server.base_url],
+                                          ledger={"jsonl_path": str(ledger), "flush_interval_s": 0.1}))
+    try:
+        body = json.dumps({"model": vllm_server.model, "prompt": "Hi", "max_tokens": 4, "stream": True}).encode()
+        port = int(gw.url.rsplit(":", 1)[1])
+        for _ in range(10):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                      b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            got = b""
+            while b"data: [DONE]" not in got:
+                chunk = s.recv(65536)
+                assert chunk, "connection closed before [DONE]"
+                got += chunk
+            s.close()  # abrupt close right after [DONE], before the terminating chunk
+    finally:
+        gw.stop()
+    records = [json.loads(line) for line in ledger.read_text().splitlines()]
+    assert len(records) == 10
+    assert [r["outcome"] for r in records] == ["ok"] * 10

@@ -216,6 +216,8 @@ class Proxy:
                         if ctx.t_first_token is None:
                             ctx.t_first_token = time.perf_counter()
                         events.append(out)
+                        if filt.done:  # [DONE] is in this write: a client closing after it got everything
+                            ctx.closing = True
                         await send({"type": "http.response.body", "body": out, "more_body": True})
                 tail = filt.flush()
                 if tail:
