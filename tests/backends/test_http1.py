@@ -84,14 +84,30 @@ async def test_connect_refused_is_connect_failed():
         await UpstreamPool(url, connect_timeout=2).request(b"POST", b"/", b"")
 
 
-async def test_read_timeout():
+async def test_header_timeout():
     async def handler(r, w):
         await _read_request(r)
         await asyncio.sleep(5)
 
     server, url = await _server(handler)
     with pytest.raises(UpstreamTimeout):
-        await UpstreamPool(url, read_timeout=0.2).request(b"POST", b"/", b"")
+        await asyncio.wait_for(UpstreamPool(url, header_timeout=0.2).request(b"POST", b"/", b""), 3)
+    server.close()
+
+
+async def test_read_timeout_between_body_chunks():
+    async def handler(r, w):
+        await _read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n")
+        await w.drain()
+        await asyncio.sleep(5)
+
+    server, url = await _server(handler)
+    resp = await UpstreamPool(url, read_timeout=0.2, header_timeout=3).request(b"POST", b"/", b"")
+    assert await resp.read_chunk() == b"hello"
+    with pytest.raises(UpstreamTimeout):
+        await asyncio.wait_for(resp.read_chunk(), 3)
+    resp.close()
     server.close()
 
 
