@@ -84,7 +84,9 @@ class RequestContext:
 
 
 class Accountant(Protocol):
-    """Receives every finished request. ``finish`` must not block: it is called on the event loop."""
+    """Sees every request start (``begin``) and end (``finish``); both run on the event loop, O(1)."""
+
+    def begin(self, ctx: RequestContext) -> None: ...
 
     def finish(self, ctx: RequestContext) -> None: ...
 
@@ -94,6 +96,9 @@ class Accountant(Protocol):
 
 
 class NullAccountant:
+    def begin(self, ctx: RequestContext) -> None:
+        return None
+
     def finish(self, ctx: RequestContext) -> None:
         return None
 

@@ -264,6 +264,7 @@ class _Endpoint:
         rid = _header(scope, b"x-request-id")
         ctx = RequestContext(id=rid.decode("latin-1")[:128] if rid else _new_id(), endpoint=self.name,
                              model="", stream=False)
+        proxy.accountant.begin(ctx)
         try:
             ctx.tenant = proxy.tenant_of(scope)
             raw = await proxy.read_body(scope, receive)

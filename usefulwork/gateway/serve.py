@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import socket
 import sys
 import time
@@ -59,7 +60,14 @@ def run_gateway(cfg: Config, log_level: str = "warning") -> None:
     server.run()
 
 
+def _terminate(signum, frame) -> None:
+    # uvicorn handles SIGTERM gracefully, then re-raises it once it has shut down; without this
+    # handler that re-raise kills the process before `finally` stops the embedded vLLM.
+    raise SystemExit(0)
+
+
 def run(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, _terminate)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = load(args.config)
