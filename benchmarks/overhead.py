@@ -9,7 +9,11 @@ The load generator is a raw HTTP/1.1 keep-alive client on asyncio Protocols (uvl
 never the bottleneck: it parses just enough (Content-Length or chunked framing) to know where a
 response ends, and checks every stream carried all 16 content events and [DONE].
 
-    python benchmarks/overhead.py [--duration 8] [--markdown docs/bench/overhead.md]
+    python benchmarks/overhead.py [--duration 8] [--accounting off] [--markdown FILE] [--json FILE]
+
+Besides latency, it reports the gateway's CPU time per request (utime + stime of the gateway process
+over the run, from /proc, divided by requests): robust to other load on the machine, where
+throughput is not. ``--accounting off`` swaps the accountant for a no-op to measure the proxy alone.
 """
 
 from __future__ import annotations
@@ -130,6 +134,24 @@ def run_load_process(port: int, stream: bool, concurrency: int, duration: float,
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def cpu_seconds(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def gateway_child(config_path: str, port: int, accounting: str) -> None:
+    """Run the gateway in this process (used as the benchmark's gateway subprocess)."""
+    from usefulwork.config import load
+    from usefulwork.gateway import accounting as acct
+    from usefulwork.gateway.context import NullAccountant
+    from usefulwork.gateway.serve import run_gateway
+
+    if accounting == "off":
+        acct.build = lambda cfg, fleet: acct.AccountingBundle(accountant=NullAccountant())
+    cfg = load(config_path)
+    run_gateway(cfg.model_copy(update={"listen": cfg.listen.model_copy(update={"port": port})}))
+
+
 def wait_http(url: str, timeout: float = 30) -> None:
     import httpx
 
@@ -150,9 +172,15 @@ def main() -> int:
     ap.add_argument("--concurrency", default="1,16,64")
     ap.add_argument("--gateway-core", default="0")
     ap.add_argument("--client-core", default="1")
+    ap.add_argument("--accounting", choices=["on", "off"], default="on",
+                    help="off: a no-op accountant, to measure the proxy alone")
+    ap.add_argument("--gateway-child", nargs=2, metavar=("CONFIG", "PORT"), help=argparse.SUPPRESS)
     ap.add_argument("--markdown", type=Path, help="write the results table to this file")
     ap.add_argument("--json", type=Path, help="write raw results here")
     args = ap.parse_args()
+    if args.gateway_child:
+        gateway_child(args.gateway_child[0], int(args.gateway_child[1]), args.accounting)
+        return 0
     conc = [int(c) for c in args.concurrency.split(",")]
     mock_port, gw_port = free_port(), free_port()
     procs = []
@@ -164,16 +192,20 @@ def main() -> int:
         cfg.write_text(json.dumps({"pools": [{"name": "mock", "models": ["mock"],
                                               "replicas": [f"http://127.0.0.1:{mock_port}"]}],
                                    "timeouts": {"health_interval_s": 5}}))
-        procs.append(subprocess.Popen(["taskset", "-c", args.gateway_core, sys.executable, "-m", "usefulwork.cli",
-                                       "serve", "--config", str(cfg), "--port", str(gw_port)],
-                                      stdout=open(tmp / "gw.log", "wb"), stderr=subprocess.STDOUT))
+        gw = subprocess.Popen(["taskset", "-c", args.gateway_core, sys.executable, str(Path(__file__).resolve()),
+                               "--accounting", args.accounting, "--gateway-child", str(cfg), str(gw_port)],
+                              stdout=open(tmp / "gw.log", "wb"), stderr=subprocess.STDOUT)
+        procs.append(gw)
         wait_http(f"http://127.0.0.1:{mock_port}/health")
         wait_http(f"http://127.0.0.1:{gw_port}/readyz")
         rows = []
         for stream in (False, True):
             for c in conc:
                 direct = run_load_process(mock_port, stream, c, args.duration, args.client_core)
+                cpu0 = cpu_seconds(gw.pid)
                 via = run_load_process(gw_port, stream, c, args.duration, args.client_core)
+                # includes the 1 s warm-up's requests in the CPU but not in the count: an upper bound
+                via["cpu_us_per_req"] = (cpu_seconds(gw.pid) - cpu0) / max(via["requests"], 1) * 1e6
                 row = {"mode": "stream-16" if stream else "unary", "concurrency": c, "direct": direct, "gateway": via,
                        "added_p50_ms": via["p50_ms"] - direct["p50_ms"],
                        "added_p99_ms": via["p99_ms"] - direct["p99_ms"]}
@@ -181,6 +213,7 @@ def main() -> int:
                 print(f"{row['mode']:>9} c={c:<3} direct {direct['rps']:8.0f} req/s p50 {direct['p50_ms']:.3f} "
                       f"p99 {direct['p99_ms']:.3f} | gateway {via['rps']:8.0f} req/s p50 {via['p50_ms']:.3f} "
                       f"p99 {via['p99_ms']:.3f} | added p50 {row['added_p50_ms']:.3f} ms p99 {row['added_p99_ms']:.3f} ms"
+                      f" | gateway CPU {via['cpu_us_per_req']:.0f} us/req"
                       f" | errors {direct['errors']}/{via['errors']}", flush=True)
                 if via["errors"] or direct["errors"]:
                     print("   sample error:", via["sample_error"] or direct["sample_error"])
@@ -190,20 +223,20 @@ def main() -> int:
             p.wait(10)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": f"{platform.machine()}, "
             f"{os.cpu_count()} cores, Python {platform.python_version()}", "duration_s": args.duration,
-            "command": "python benchmarks/overhead.py " + " ".join(sys.argv[1:])}
+            "command": "python benchmarks/overhead.py " + " ".join(sys.argv[1:]), "accounting": args.accounting}
     if args.json:
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     if args.markdown:
         lines = [f"Command: `{meta['command']}`  ", f"Date: {meta['date']}; machine: {meta['machine']}; gateway: one "
                  f"uvicorn worker pinned to core {args.gateway_core}; mock + load generator on core {args.client_core}; "
                  f"{args.duration:.0f} s per point.", "",
-                 "| mode | conc. | direct req/s | gateway req/s | direct p50 / p99 ms | gateway p50 / p99 ms | added p50 ms | added p99 ms |",
-                 "|---|---:|---:|---:|---:|---:|---:|---:|"]
+                 "| mode | conc. | direct req/s | gateway req/s | direct p50 / p99 ms | gateway p50 / p99 ms | added p50 ms | added p99 ms | gateway CPU us/req |",
+                 "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in rows:
             d, g = r["direct"], r["gateway"]
             lines.append(f"| {r['mode']} | {r['concurrency']} | {d['rps']:.0f} | {g['rps']:.0f} | {d['p50_ms']:.3f} / "
                          f"{d['p99_ms']:.3f} | {g['p50_ms']:.3f} / {g['p99_ms']:.3f} | {r['added_p50_ms']:.3f} | "
-                         f"{r['added_p99_ms']:.3f} |")
+                         f"{r['added_p99_ms']:.3f} | {g['cpu_us_per_req']:.0f} |")
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
         args.markdown.write_text("\n".join(lines) + "\n")
     return 0

@@ -8,14 +8,12 @@ group so that stopping it takes its engine-core children too.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
+from usefulwork.backends.process import ManagedProcess
 
 
 def vllm_available() -> bool:
@@ -25,7 +23,11 @@ def vllm_available() -> bool:
 
 
 @dataclass
-class LocalVLLM:
+class LocalVLLM(ManagedProcess):
+    name = "vLLM"
+    ready_path = "/v1/models"
+    poll_s = 0.5
+
     model_dir: Path
     served_name: str = "smollm2-135m-instruct"
     port: int = 8000
@@ -62,61 +64,5 @@ class LocalVLLM:
         env.setdefault("DO_NOT_TRACK", "1")
         return env
 
-    def start(self) -> "LocalVLLM":
-        if self.proc is not None and self.proc.poll() is None:
-            return self
-        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(
-            self.command(), env=self.env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        return self
-
     def wait_ready(self, timeout_s: float = 600.0, progress=None) -> None:
-        """Block until /v1/models answers 200; raise with the log tail if the process dies."""
-        deadline = time.monotonic() + timeout_s
-        t0 = time.monotonic()
-        last_note = 0.0
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited with code {self.proc.returncode} during start-up\n{self.log_tail()}")
-            try:
-                r = httpx.get(f"{self.base_url}/v1/models", timeout=2.0)
-                if r.status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if progress and time.monotonic() - last_note >= 10:
-                last_note = time.monotonic()
-                progress(f"waiting for vLLM on {self.base_url} ... {time.monotonic() - t0:.0f}s")
-            time.sleep(0.5)
-        raise TimeoutError(f"vLLM did not become ready in {timeout_s:.0f}s\n{self.log_tail()}")
-
-    def log_tail(self, n: int = 40) -> str:
-        if not self.log_path or not Path(self.log_path).exists():
-            return "(no log)"
-        lines = Path(self.log_path).read_text(errors="replace").splitlines()
-        return "\n".join(lines[-n:])
-
-    def stop(self, timeout_s: float = 30.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(10)
-
-    def __enter__(self) -> "LocalVLLM":
-        self.start()
-        self.wait_ready()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+        super().wait_ready(timeout_s, progress)

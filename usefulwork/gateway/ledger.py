@@ -38,7 +38,8 @@ from usefulwork.gateway.tokens import TokenEstimator
 log = logging.getLogger("usefulwork.ledger")
 
 MAX_BACKLOG = 200_000  # records kept per failing sink before the oldest are dropped (and counted)
-MAX_HOLD_S = 600.0  # never hold a record longer than this waiting for a slow request to finish
+MAX_HOLD_S = 600.0
+YIELD_EVERY_S = 0.0005  # longest stretch the background pass holds the event loop  # never hold a record longer than this waiting for a slow request to finish
 
 
 def judge_slo(slo: SLO, ctx: RequestContext) -> bool | None:
@@ -197,12 +198,15 @@ class Accountant:
             if need:
                 await asyncio.to_thread(self._estimate, need)
             ready: list[dict] = []
-            for i, ctx in enumerate(batch):
+            clock = time.perf_counter
+            slice_end = clock() + YIELD_EVERY_S
+            for ctx in batch:
                 self._account(ctx, ready)
-                if i % 16 == 15:
-                    # Let requests run between small slices: ~16 x 90 us keeps the event loop's
-                    # longest stall near 1.5 ms (a 256-record slice was a 20+ ms p99 spike).
+                if clock() >= slice_end:
+                    # Let requests run: a request waits behind at most one short slice at each of
+                    # its await points (a 256-record slice was a 20+ ms p99 spike; benchmarks/overhead.py).
                     await asyncio.sleep(0)
+                    slice_end = clock() + YIELD_EVERY_S
             self._enqueue(ready)
         self._settle(final)
         await self._write_sinks()

@@ -40,6 +40,7 @@ from usefulwork.loadtest.gateway_stats import StatsWindow
 from usefulwork.loadtest.metrics import SLOSpec
 from usefulwork.loadtest.results import run_result, write_json
 from usefulwork.loadtest.runner import LoadSpec, RunOutput, Target, run_sync
+from usefulwork.backends.process import ManagedProcess
 
 
 class ExperimentError(ValueError):
@@ -265,8 +266,12 @@ def gateway_config(exp: Experiment, profile: Profile, backend_url: str, port: in
     }
 
 
-class Gateway:
+class Gateway(ManagedProcess):
     """`usefulwork serve --config FILE` as a subprocess (its own process group)."""
+
+    name = "gateway"
+    ready_path = "/readyz"
+    stop_timeout_s = 20.0
 
     def __init__(self, config: dict[str, Any], workdir: Path) -> None:
         self.port = config["listen"]["port"]
@@ -279,39 +284,18 @@ class Gateway:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout_s: float = 60.0) -> None:
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "usefulwork.cli", "serve", "--config", str(self.config_path),
-             "--host", "127.0.0.1", "--port", str(self.port)],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"gateway exited with code {self.proc.returncode}\n{self._tail()}")
-            try:
-                if httpx.get(f"{self.base_url}/readyz", timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise TimeoutError(f"gateway not ready in {timeout_s:.0f}s\n{self._tail()}")
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "usefulwork.cli", "serve", "--config", str(self.config_path),
+                "--host", "127.0.0.1", "--port", str(self.port)]
 
-    def _tail(self, n: int = 30) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:]) if self.log_path.exists() else ""
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        import signal
-
-        os.killpg(self.proc.pid, signal.SIGTERM)
+    def start(self, timeout_s: float = 60.0) -> "Gateway":
+        super().start()
         try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(5)
+            self.wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
 
 
 def _metric_sum(text: str, names: tuple[str, ...]) -> float:
@@ -421,7 +405,6 @@ def run_cell(exp: Experiment, profile: Profile, shape: dict[str, Any], case: Cas
     window = StatsWindow(url, s) if use_gateway else None
     if window:
         window.begin()
-    observer = None
     progress = None
     if console is not None:
         from usefulwork.loadtest.progress import LiveProgress

@@ -11,19 +11,22 @@ Each process is one asyncio loop (uvicorn + the engine task): light enough to ru
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
+from usefulwork.backends.process import ManagedProcess
 
 
 @dataclass
-class SimProcess:
+class SimProcess(ManagedProcess):
+    name = "usefulwork sim"
+    ready_path = "/health"
+    poll_s = 0.1
+    stop_timeout_s = 10.0
+
     gpu: str | None = None  # None: the profile's (cpu) or A100-80G
     model: str | None = None  # None: the profile's (cpu) or Llama-3.1-8B
     precision: str = "bf16"
@@ -69,59 +72,7 @@ class SimProcess:
                 cmd += [flag, str(value)]
         return cmd
 
-    def start(self) -> "SimProcess":
-        if self.proc is not None and self.proc.poll() is None:
-            return self
-        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+    def env(self) -> dict[str, str]:
         env = dict(os.environ)
         env.setdefault("HF_HUB_OFFLINE", "1")
-        self.proc = subprocess.Popen(self.command(), env=env, stdout=out, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        return self
-
-    def wait_ready(self, timeout_s: float = 60.0) -> None:
-        """Block until /health answers 200; raise with the log tail if the process exits."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"usefulwork sim exited with code {self.proc.returncode}\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError(f"usefulwork sim did not become ready in {timeout_s:.0f}s\n{self.log_tail()}")
-
-    def log_tail(self, n: int = 40) -> str:
-        if not self.log_path or not Path(self.log_path).exists():
-            return "(no log)"
-        return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-n:])
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(5)
-
-    def __enter__(self) -> "SimProcess":
-        self.start()
-        try:
-            self.wait_ready()
-        except Exception:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+        return env
