@@ -36,7 +36,7 @@ def test_sim_matrix_through_gateway(tmp_path):
     f = tmp_path / "tiny.yaml"
     f.write_text(TINY)
     exp = load_experiment(str(f))
-    data = run_experiment(exp, Options(out_dir=tmp_path, port_base=38200, quiet=True), Console(quiet=True))
+    data = run_experiment(exp, Options(out_dir=tmp_path, quiet=True), Console(quiet=True))
     cells = {c["profile"]: c["result"] for c in data["cells"]}
     naive, opt = cells["naive-single"], cells["optimized-batched"]
     assert naive["num_prompts"] == opt["num_prompts"] == 24

@@ -45,7 +45,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     e.add_argument("--time-scale", type=float, default=1.0,
                    help="multiply every case's duration (and request counts) by this (quick trial runs)")
     e.add_argument("--no-gateway", action="store_true", help="drive the backends directly (no gateway in between)")
-    e.add_argument("--port-base", type=int, default=38100, help="first TCP port for backends and the gateway")
+    e.add_argument("--port-base", type=int, default=None,
+                   help="first TCP port for backends and the gateway (default: free ports chosen by the OS)")
     e.add_argument("--cpu-lock", help="hold this flock file while a profile's backends run (shared machines)")
     e.add_argument("--dry-run", action="store_true", help="print the plan (cells, rates, durations) and exit")
 

@@ -266,6 +266,14 @@ def gateway_config(exp: Experiment, profile: Profile, backend_url: str, port: in
     }
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class Gateway(ManagedProcess):
     """`usefulwork serve --config FILE` as a subprocess (its own process group)."""
 
@@ -367,7 +375,7 @@ class Options:
     out_dir: Path | None = None
     time_scale: float = 1.0  # multiplies durations / counts (quick trial runs)
     use_gateway: bool = True
-    port_base: int = 38100
+    port_base: int | None = None  # None: free ports chosen by the OS (no clash with ephemeral ports)
     cpu_lock: str | None = None
     quiet: bool = False
 
@@ -480,8 +488,10 @@ def run_experiment(exp: Experiment, opts: Options, console: Console) -> dict[str
         if p not in profiles_in_order:
             profiles_in_order.append(p)
     for i, profile in enumerate(profiles_in_order):
-        backend_port = opts.port_base + i
-        gw_port = opts.port_base + 50 + i
+        if opts.port_base is None:
+            backend_port, gw_port = free_port(), free_port()
+        else:
+            backend_port, gw_port = opts.port_base + i, opts.port_base + 50 + i
         t_prof = time.monotonic()
         started: float | None = None
         with cpu_lock(opts.cpu_lock):
