@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -26,7 +25,7 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from usefulwork.loadtest.workloads import RequestSpec, WorkloadError, random_text, words
+from usefulwork.loadtest.workloads import RequestSpec, WorkloadError, json_lines, random_text, words
 
 MOONCAKE_BLOCK_TOKENS = 512
 
@@ -70,14 +69,7 @@ def _float_field(value: Any, name: str, where: str) -> float:
 
 def parse_mooncake(text: str, source: str) -> list[TraceRow]:
     rows: list[TraceRow] = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{source}:{lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise TraceError(f"{where}: not valid JSON: {exc.msg} (column {exc.colno})") from None
+    for lineno, where, obj in json_lines(text, source, TraceError):
         if not isinstance(obj, dict):
             raise TraceError(f"{where}: expected a JSON object")
         for key in ("timestamp", "input_length", "output_length"):

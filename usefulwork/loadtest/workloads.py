@@ -270,8 +270,9 @@ def parse_prompt_line(obj: Any, where: str, default_max_tokens: int) -> RequestS
     raise WorkloadError(f"{where}: each line needs a 'prompt' string or a 'messages' list")
 
 
-def load_jsonl_prompts(text: str, source: str, default_max_tokens: int = 128) -> list[RequestSpec]:
-    items: list[RequestSpec] = []
+def json_lines(text: str, source: str, error: type[WorkloadError] = WorkloadError
+               ) -> Iterator[tuple[int, str, Any]]:
+    """Yield (line number, "file:line", parsed object) per non-blank line; a bad line raises ``error`` naming it."""
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
@@ -279,7 +280,13 @@ def load_jsonl_prompts(text: str, source: str, default_max_tokens: int = 128) ->
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise WorkloadError(f"{where}: not valid JSON: {exc.msg} (column {exc.colno})") from None
+            raise error(f"{where}: not valid JSON: {exc.msg} (column {exc.colno})") from None
+        yield lineno, where, obj
+
+
+def load_jsonl_prompts(text: str, source: str, default_max_tokens: int = 128) -> list[RequestSpec]:
+    items: list[RequestSpec] = []
+    for _, where, obj in json_lines(text, source):
         items.append(parse_prompt_line(obj, where, default_max_tokens))
     if not items:
         raise WorkloadError(f"{source}: no prompts in file")
