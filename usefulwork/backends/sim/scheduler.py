@@ -159,6 +159,16 @@ class Scheduler:
             n = min(n, self.long_prefill_threshold)
         return n
 
+    def _allocate_or_preempt(self, req, num_tokens: int, preempted: list) -> bool:
+        """Grow req's KV blocks to num_tokens, preempting from the back of the running queue until
+        they fit (vLLM's recompute preemption). False when req itself had to be preempted."""
+        while not self.kv.allocate(req, num_tokens):
+            victim = self._preempt_last()
+            preempted.append(victim)
+            if victim is req:
+                return False
+        return True
+
     def _preempt_last(self) -> SimRequest:
         victim = self.running.pop()
         self.kv.free_request(victim)
@@ -186,14 +196,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
-            scheduled = True
-            while not self.kv.allocate(req, req.num_computed_tokens + n):
-                victim = self._preempt_last()
-                preempted.append(victim)
-                if victim is req:
-                    scheduled = False
-                    break
-            if not scheduled:
+            if not self._allocate_or_preempt(req, req.num_computed_tokens + n, preempted):
                 break
             items.append(ScheduledItem(req, n, req.num_computed_tokens))
             budget -= n
@@ -245,14 +248,7 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             req = self.running[i]
-            scheduled = True
-            while not self.kv.allocate(req, req.num_computed_tokens + 1):
-                victim = self._preempt_last()
-                preempted.append(victim)
-                if victim is req:
-                    scheduled = False
-                    break
-            if not scheduled:
+            if not self._allocate_or_preempt(req, req.num_computed_tokens + 1, preempted):
                 break
             items.append(ScheduledItem(req, 1, req.num_computed_tokens))
             i += 1
