@@ -16,7 +16,7 @@ import contextlib
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import orjson
 from starlette.applications import Starlette
@@ -359,30 +359,18 @@ def build_app(server: SimServer) -> Starlette:
     def _sse(obj: dict[str, Any]) -> bytes:
         return b"data: " + orjson.dumps(obj) + b"\n\n"
 
-    async def _stream_chat(req: SimRequest, sink: StreamSink, p: ParsedRequest, rid: str, created: int) -> AsyncIterator[bytes]:
-        model = server.served_model_name
-        base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+    async def _stream(req: SimRequest, sink: StreamSink, p: ParsedRequest, base: dict[str, Any],
+                      choice_for: Callable[[list[int], int, bool], dict[str, Any]],
+                      first: dict[str, Any] | None = None) -> AsyncIterator[bytes]:
+        """The token loop both endpoints share; ``choice_for(new, sent, done)`` shapes one chunk's choice."""
         sent = 0
         try:
-            first = {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                          "logprobs": None, "finish_reason": None}]}
-            if p.continuous_usage:
-                first["usage"] = {"prompt_tokens": req.num_prompt_tokens, "total_tokens": req.num_prompt_tokens,
-                                  "completion_tokens": 0}
-            first["prompt_token_ids"] = None
-            first["prompt_text"] = None
-            yield _sse(first)
+            if first is not None:
+                yield _sse(first)
             while True:
                 new, done = await sink.drain()
                 if new:
-                    choice: dict[str, Any] = {
-                        "index": 0, "delta": {"content": server.text(new)},
-                        "logprobs": server.chat_logprobs(req, sent, new, p.logprobs) if p.logprobs is not None else None,
-                        "finish_reason": req.finish_reason if done else None,
-                    }
-                    if done:
-                        choice["stop_reason"] = None
-                    choice["token_ids"] = None
+                    choice = choice_for(new, sent, done)
                     sent += len(new)
                     chunk = {**base, "choices": [choice]}
                     if p.continuous_usage:
@@ -397,33 +385,42 @@ def build_app(server: SimServer) -> Starlette:
             if not sink.finished:
                 server.runner.abort(req)  # client went away: free the simulated KV cache
 
-    async def _stream_completion(req: SimRequest, sink: StreamSink, p: ParsedRequest, rid: str, created: int) -> AsyncIterator[bytes]:
+    def _stream_chat(req: SimRequest, sink: StreamSink, p: ParsedRequest, rid: str, created: int) -> AsyncIterator[bytes]:
+        base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": server.served_model_name}
+        first = {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None}]}
+        if p.continuous_usage:
+            first["usage"] = {"prompt_tokens": req.num_prompt_tokens, "total_tokens": req.num_prompt_tokens,
+                              "completion_tokens": 0}
+        first["prompt_token_ids"] = None
+        first["prompt_text"] = None
+
+        def choice_for(new: list[int], sent: int, done: bool) -> dict[str, Any]:
+            choice: dict[str, Any] = {
+                "index": 0, "delta": {"content": server.text(new)},
+                "logprobs": server.chat_logprobs(req, sent, new, p.logprobs) if p.logprobs is not None else None,
+                "finish_reason": req.finish_reason if done else None,
+            }
+            if done:
+                choice["stop_reason"] = None
+            choice["token_ids"] = None
+            return choice
+
+        return _stream(req, sink, p, base, choice_for, first)
+
+    def _stream_completion(req: SimRequest, sink: StreamSink, p: ParsedRequest, rid: str, created: int) -> AsyncIterator[bytes]:
         base = {"id": rid, "object": "text_completion", "created": created, "model": server.served_model_name}
-        sent = 0
-        offset = 0
-        try:
-            while True:
-                new, done = await sink.drain()
-                if new:
-                    text = server.text(new)
-                    lp = server.completion_logprobs(req, sent, new, p.logprobs, offset) if p.logprobs is not None else None
-                    offset += len(text)
-                    sent += len(new)
-                    choice = {"index": 0, "text": text, "logprobs": lp,
-                              "finish_reason": req.finish_reason if done else None, "stop_reason": None,
-                              "prompt_token_ids": None, "token_ids": None}
-                    chunk = {**base, "choices": [choice]}
-                    if p.continuous_usage:
-                        chunk["usage"] = _partial_usage(req, sent)
-                    yield _sse(chunk)
-                if done:
-                    break
-            if p.include_usage:
-                yield _sse({**base, "choices": [], "usage": server.usage(req), "system_fingerprint": SYSTEM_FINGERPRINT})
-            yield b"data: [DONE]\n\n"
-        finally:
-            if not sink.finished:
-                server.runner.abort(req)
+        offset = 0  # characters already sent: completions logprobs carry text offsets
+
+        def choice_for(new: list[int], sent: int, done: bool) -> dict[str, Any]:
+            nonlocal offset
+            text = server.text(new)
+            lp = server.completion_logprobs(req, sent, new, p.logprobs, offset) if p.logprobs is not None else None
+            offset += len(text)
+            return {"index": 0, "text": text, "logprobs": lp, "finish_reason": req.finish_reason if done else None,
+                    "stop_reason": None, "prompt_token_ids": None, "token_ids": None}
+
+        return _stream(req, sink, p, base, choice_for)
 
     def _partial_usage(req: SimRequest, sent: int) -> dict[str, int]:
         return {"prompt_tokens": req.num_prompt_tokens, "total_tokens": req.num_prompt_tokens + sent,
