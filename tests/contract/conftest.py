@@ -7,23 +7,11 @@ the session's real vLLM server (tests/conftest.py). A server that cannot start F
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 
-from tests.conftest import MODEL_NAME, VLLMServer
+from tests.conftest import MODEL_NAME, VLLMServer, free_port
 
-
-def free_port_in_range(lo: int = 18000, hi: int = 18999) -> int:
-    """A free TCP port in this area's range (18000-18999)."""
-    for port in range(lo, hi + 1):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in {lo}-{hi}")
 
 
 @pytest.fixture(scope="session")
@@ -33,7 +21,7 @@ def sim_server(tmp_path_factory) -> VLLMServer:
 
     ensure_model()  # the sim counts tokens with the converted SmolLM2 tokenizer, like the real server
     log = tmp_path_factory.mktemp("sim") / "sim.log"
-    sim = SimProcess(gpu=None, model=None, profile="cpu", served_name=MODEL_NAME, port=free_port_in_range(18100),
+    sim = SimProcess(gpu=None, model=None, profile="cpu", served_name=MODEL_NAME, port=free_port(),
                      time_scale=20.0, seed=0, log_path=log)
     sim.start()
     try:

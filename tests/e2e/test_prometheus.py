@@ -13,7 +13,8 @@ import httpx
 import pytest
 import yaml
 
-from tests.gateway.test_accounting import free_port_in_range, serve_gateway
+from tests.conftest import free_port
+from tests.gateway.test_accounting import serve_gateway
 
 COST_PER_1K_OK = '1000 * sum(usefulwork_gpu_cost_usd_total) / sum(usefulwork_requests_total{outcome="ok"})'
 
@@ -41,7 +42,7 @@ def prometheus_bin() -> str:
 
 def test_promql_cost_per_1k_successful_matches_stats(vllm_server, prometheus_bin, tmp_path):
     with serve_gateway(vllm_server.base_url, vllm_server.model, tmp_path) as gw:
-        port = free_port_in_range()
+        port = free_port()
         gw_hostport = gw.url.removeprefix("http://")
         (tmp_path / "prometheus.yml").write_text(yaml.safe_dump({
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},

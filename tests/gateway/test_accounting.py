@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,18 +23,7 @@ import pytest
 import redis
 import yaml
 
-PORTS = range(28100, 28999)
-
-
-def free_port_in_range() -> int:
-    for port in PORTS:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 28100-28999")
+from tests.conftest import free_port
 
 
 @dataclass
@@ -62,7 +50,7 @@ class Gateway:
 def serve_gateway(vllm_url: str, model: str, tmp: Path, redis_url: str | None = None,
                   extra: dict | None = None) -> Iterator[Gateway]:
     """A real `usefulwork serve --config` process on a port of our range, ready when yielded."""
-    port = free_port_in_range()
+    port = free_port()
     stream = f"usefulwork:test:{uuid.uuid4().hex}"
     cfg = {
         "pools": [{"name": "local", "models": [model], "replicas": [vllm_url],

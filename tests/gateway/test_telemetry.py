@@ -114,7 +114,7 @@ async def test_otlp_http_export_when_configured(tmp_path):
     from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-    from tests.gateway.test_accounting import free_port_in_range
+    from tests.conftest import free_port
 
     got: dict[str, list] = {"/v1/traces": [], "/v1/metrics": []}
 
@@ -131,7 +131,7 @@ async def test_otlp_http_export_when_configured(tmp_path):
         def log_message(self, *args):
             pass
 
-    port = free_port_in_range()
+    port = free_port()
     server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Receiver)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.contract.conftest import free_port_in_range
+from tests.conftest import free_port
 from usefulwork.backends.sim.catalog import build_spec
 from usefulwork.backends.sim.offline import closed_loop
 from usefulwork.backends.sim.process import SimProcess
@@ -30,7 +30,7 @@ def metric(url: str, name: str) -> float:
 @pytest.fixture(scope="module")
 def a100(tmp_path_factory):
     sim = SimProcess(gpu="A100-80G", model="Llama-3.1-8B", profile="optimized-batched", served_name="llama",
-                     port=free_port_in_range(18200), time_scale=2.0, seed=0,
+                     port=free_port(), time_scale=2.0, seed=0,
                      log_path=tmp_path_factory.mktemp("sim") / "a100.log")
     with sim:
         yield sim
@@ -132,7 +132,7 @@ def test_eos_without_ignore_eos_stops_early_with_stop(a100):
 
 
 def test_flag_overrides_reach_the_engine(tmp_path):
-    port = free_port_in_range(18300)
+    port = free_port()
     with SimProcess(gpu="H100-SXM", model="Llama-3.1-8B", profile="naive-single", port=port, time_scale=50,
                     extra={"max_num_batched_tokens": 1024, "enable_prefix_caching": False},
                     log_path=tmp_path / "h100.log") as sim:
