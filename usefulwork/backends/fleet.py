@@ -28,8 +28,6 @@ SCRAPED = {
     "vllm:gpu_cache_usage_perc": "kv_usage",  # pre-V1 name
     "vllm:prefix_cache_queries_total": "prefix_queries",
     "vllm:prefix_cache_hits_total": "prefix_hits",
-    "vllm:prompt_tokens_total": "prompt_tokens_total",
-    "vllm:generation_tokens_total": "generation_tokens_total",
 }
 
 
@@ -49,8 +47,6 @@ class Replica:
     kv_usage: float = 0.0
     prefix_queries: float = 0.0
     prefix_hits: float = 0.0
-    prompt_tokens_total: float = 0.0
-    generation_tokens_total: float = 0.0
     last_scrape: float = 0.0
     http: UpstreamPool | None = None  # the data-path connection pool (set by Fleet)
 

