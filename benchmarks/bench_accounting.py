@@ -1,4 +1,4 @@
-"""Accounting overhead: the hot-path cost of ``Accountant.finish`` and the background pass's throughput.
+"""Accounting overhead: the hot-path cost of ``Ledger.finish`` and the background pass's throughput.
 
     flock /tmp/usefulwork-cpu.lock .venv/bin/python benchmarks/bench_accounting.py [--n 50000]
 
@@ -17,11 +17,11 @@ import tempfile
 import time
 
 from usefulwork import config
-from usefulwork.backends.fleet import Fleet
+from usefulwork.upstream.fleet import Fleet
 from usefulwork.gateway.context import RequestContext
-from usefulwork.gateway.ledger import Accountant
-from usefulwork.gateway.sinks import JsonlSink
-from usefulwork.gateway.telemetry import Telemetry
+from usefulwork.gateway.accounting.ledger import Ledger
+from usefulwork.gateway.accounting.sinks import JsonlSink
+from usefulwork.gateway.accounting.telemetry import Telemetry
 
 
 def make_ctxs(n: int, t0: float) -> list[RequestContext]:
@@ -30,7 +30,7 @@ def make_ctxs(n: int, t0: float) -> list[RequestContext]:
         start = t0 + i * 0.001
         out.append(RequestContext(
             id=f"r{i}", endpoint="chat", model="m", stream=bool(i % 2), tenant=f"t{i % 10}", pool="p",
-            replica="http://127.0.0.1:1", wall_start=start, t_start=0.0, t_admitted=0.001, t_first_token=0.2,
+            replica="http://127.0.0.1:1", wall_start=start, t_start=0.0, t_forwarded=0.001, t_first_token=0.2,
             t_end=1.5, prompt_tokens=500, completion_tokens=128, usage_source="backend",
             outcome="ok" if i % 20 else "error"))
     return out
@@ -43,7 +43,7 @@ async def main(n: int, spans: bool) -> dict:
     fleet = Fleet(cfg)
     with tempfile.TemporaryDirectory() as tmp:
         sink = JsonlSink(os.path.join(tmp, "ledger.jsonl"))
-        acc = Accountant(cfg, fleet, [sink], settle_hold_s=0.0)
+        acc = Ledger(cfg, fleet, [sink], settle_hold_s=0.0)
         exporters = []
         if spans:  # a span per request into the SDK's in-memory exporter (stands in for OTLP)
             from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter

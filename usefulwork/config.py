@@ -130,7 +130,7 @@ class CostCfg(_Strict):
     interval_s: float = Field(1.0, gt=0, description="Attribution interval for GPU-time cost.")
 
 
-class Telemetry(_Strict):
+class TelemetryCfg(_Strict):
     """OpenTelemetry export."""
 
     otlp_endpoint: str | None = Field(None, description="OTLP/HTTP endpoint, e.g. http://collector:4318")
@@ -155,8 +155,19 @@ class Config(_Strict):
     local_fleet: LocalFleet | None = None
     ledger: LedgerCfg = LedgerCfg()
     cost: CostCfg = CostCfg()
-    telemetry: Telemetry = Telemetry()
+    telemetry: TelemetryCfg = TelemetryCfg()
+    filters: list[str] = Field(default_factory=list, description="Request filters, in the order they run "
+                               "(names: usefulwork/gateway/filters/__init__.py; docs/architecture.md).")
     source: str = Field("<defaults>", description="Where this config came from (set by the loader).")
+
+    @field_validator("filters")
+    @classmethod
+    def _known_filters(cls, v: list[str]) -> list[str]:
+        from usefulwork.gateway.filters import FILTERS  # noqa: PLC0415 (the names only; no filter is imported)
+        for name in v:
+            if name not in FILTERS:
+                raise ValueError(f"unknown filter {name!r}; known: {', '.join(sorted(FILTERS))}")
+        return v
 
     @model_validator(mode="after")
     def _unique(self) -> "Config":

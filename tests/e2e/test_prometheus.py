@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from tests.conftest import free_port
-from tests.gateway.test_accounting import serve_gateway
+from tests.gateway.accounting.test_accounting import serve_gateway
 
 COST_PER_1K_OK = '1000 * sum(usefulwork_gpu_cost_usd_total) / sum(usefulwork_requests_total{outcome="ok"})'
 

@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from usefulwork.backends.fleet import Fleet
+from usefulwork.upstream.fleet import Fleet
 from usefulwork.config import Config
 from usefulwork.gateway import accounting
 from usefulwork.gateway.errors import error_body
@@ -24,7 +24,7 @@ JSON = "application/json"
 
 
 def make_client(cfg: Config) -> httpx.AsyncClient:
-    """The control-plane client (health probes, /metrics scrapes); the data path uses backends.http1."""
+    """The control-plane client (health probes, /metrics scrapes); the data path uses upstream.http1."""
     t = cfg.timeouts
     return httpx.AsyncClient(
         timeout=httpx.Timeout(connect=t.connect_s, read=t.read_s, write=30.0, pool=t.connect_s),

@@ -43,7 +43,8 @@ class RequestContext:
     # timing (monotonic seconds; wall clock start for records)
     wall_start: float = field(default_factory=time.time)
     t_start: float = field(default_factory=time.perf_counter)
-    t_admitted: float | None = None
+    t_validated: float | None = None  # body read, parsed and validated
+    t_forwarded: float | None = None  # first sent upstream (GPU work can start)
     t_first_token: float | None = None
     t_end: float | None = None
     chunks: int = 0  # content-bearing SSE events forwarded
@@ -64,8 +65,9 @@ class RequestContext:
 
     # -- derived timings, in milliseconds --
     @property
-    def queue_wait_ms(self) -> float:
-        return 0.0 if self.t_admitted is None else (self.t_admitted - self.t_start) * 1000.0
+    def intake_ms(self) -> float:
+        """Reading, parsing and validating the request (not a queue: admission adds its own wait)."""
+        return 0.0 if self.t_validated is None else (self.t_validated - self.t_start) * 1000.0
 
     @property
     def e2e_ms(self) -> float | None:

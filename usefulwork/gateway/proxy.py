@@ -21,8 +21,8 @@ from typing import Any, Awaitable, Callable
 
 import orjson
 
-from usefulwork.backends.fleet import Fleet, Replica
-from usefulwork.backends.http1 import ConnectFailed, Response, UpstreamClosed, UpstreamError, UpstreamTimeout
+from usefulwork.upstream.fleet import Fleet, Replica
+from usefulwork.upstream.http1 import ConnectFailed, Response, UpstreamClosed, UpstreamError, UpstreamTimeout
 from usefulwork.config import Config
 from usefulwork.gateway.context import Accountant, RequestContext
 from usefulwork.gateway.errors import GatewayError, error_body, send_error, send_json
@@ -111,7 +111,7 @@ class Proxy:
         pool = self.fleet.pool_for_model(ctx.model)
         assert pool is not None
         ctx.pool = pool.name
-        candidates = self.fleet.candidates(pool)
+        candidates = sorted(self.fleet.candidates(pool), key=lambda r: r.load)
         if not candidates:
             raise GatewayError(503, f"no replica available for model {ctx.model!r}", code="no_replica",
                                headers=[(b"retry-after", b"5")])
@@ -302,7 +302,7 @@ class _Endpoint:
         ctx.stream = bool(body.get("stream"))
         ctx.max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
         ctx.prompt_payload = body.get("messages") if self.name == "chat" else body.get("prompt")
-        ctx.t_admitted = time.perf_counter()
+        ctx.t_validated = ctx.t_forwarded = time.perf_counter()
         if ctx.stream:
             so = body.get("stream_options")
             ctx.include_usage = bool(isinstance(so, dict) and so.get("include_usage"))

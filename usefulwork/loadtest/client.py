@@ -25,8 +25,8 @@ import orjson
 
 from usefulwork.loadtest.workloads import RequestSpec
 
-Outcome = Literal["ok", "shed", "error", "timeout", "client_cancelled"]
-OUTCOMES: tuple[Outcome, ...] = ("ok", "shed", "error", "timeout", "client_cancelled")
+ClientOutcome = Literal["ok", "shed", "error", "timeout", "client_cancelled"]
+OUTCOMES: tuple[ClientOutcome, ...] = ("ok", "shed", "error", "timeout", "client_cancelled")
 
 
 @dataclass(slots=True)
@@ -36,7 +36,7 @@ class RequestResult:
     planned: float  # planned send offset (s from run start)
     sent: float = 0.0  # actual send offset
     end: float = 0.0  # offset when the request finished (any outcome)
-    outcome: Outcome = "ok"
+    outcome: ClientOutcome = "ok"
     status: int = 0
     ttft: float = 0.0  # s; 0 when no token arrived
     itl: list[float] = field(default_factory=list)  # s, gaps between content chunks

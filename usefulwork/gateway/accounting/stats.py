@@ -13,7 +13,7 @@ from typing import Iterable
 
 import numpy as np
 
-from usefulwork.gateway.costing import PoolMeter, Settled
+from usefulwork.gateway.accounting.costing import PoolMeter, Settled
 
 BUCKET_S = 5.0
 RING = 720  # one hour of 5-second buckets
@@ -31,7 +31,7 @@ _CACHE_COL = {"miss": C["cache_miss"], "hit-exact": C["cache_hit_exact"], "hit-s
 
 
 @dataclass(slots=True)
-class Outcome:
+class FinishedRow:
     """What the windows need from one finished request (built by the accountant)."""
 
     t_end: float  # wall clock
@@ -71,7 +71,7 @@ class Ring:
         return self.data[mask].sum(axis=0)
 
 
-def _row(o: Outcome) -> np.ndarray:
+def _row(o: FinishedRow) -> np.ndarray:
     r = np.zeros(len(COLUMNS))
     r[C["requests"]] = 1
     if o.outcome in ("ok", "shed", "error", "timeout", "client_cancelled", "rejected"):
@@ -162,7 +162,7 @@ class Stats:
         return ring
 
     # -- writes --
-    def add(self, o: Outcome) -> None:
+    def add(self, o: FinishedRow) -> None:
         row = _row(o)
         self.fleet.add(o.t_end, row)
         self._tenant(o.tenant).add(o.t_end, row)

@@ -1,4 +1,5 @@
-from usefulwork.backends.fleet import Fleet, parse_metrics
+from usefulwork.upstream.fleet import Fleet, parse_metrics
+from usefulwork.upstream.pickers import LeastLoaded
 from usefulwork.config import from_mapping
 
 METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -29,7 +30,7 @@ def test_candidates_prefer_healthy_least_loaded():
     f.mark_up(b)
     a.inflight = 5
     b.running, b.waiting = 1, 1
-    assert f.candidates(f.pools["p"]) == [b, a]
+    assert LeastLoaded().pick(None, f.candidates(f.pools["p"])) == [b, a]
     f.mark_down(b, "test")
     assert f.candidates(f.pools["p"]) == [a]
     assert f.ready()
@@ -81,3 +82,20 @@ async def test_probe_marks_down_then_back_up_and_scrapes_load():
     assert rep.healthy and rep.down_reason is None
     await fleet.stop()
     server.close()
+
+
+def test_lease_counts_once_and_releases_on_exception():
+    f = _fleet()
+    a = f.pools["p"].replicas[0]
+    lease = f.lease(a)
+    assert a.inflight == 1
+    lease.release()
+    lease.release()  # idempotent: a second release never takes another request's count
+    assert a.inflight == 0
+    try:
+        with f.lease(a):
+            assert a.inflight == 1
+            raise RuntimeError("boom")
+    except RuntimeError:
+        pass
+    assert a.inflight == 0

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from usefulwork.backends.http1 import UpstreamPool
+from usefulwork.upstream.http1 import UpstreamPool
 from usefulwork.config import Config, Pool
 
 log = logging.getLogger("usefulwork.fleet")
@@ -58,6 +58,28 @@ class Replica:
     @property
     def prefix_hit_rate(self) -> float:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+
+class Lease:
+    """One request outstanding on a replica (see ``Fleet.lease``)."""
+
+    __slots__ = ("replica", "_held")
+
+    def __init__(self, replica: Replica):
+        self.replica = replica
+        self._held = True
+        replica.inflight += 1
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self.replica.inflight -= 1
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 @dataclass(slots=True, eq=False)
@@ -123,9 +145,8 @@ class Fleet:
         return bool(self.pools) and all(p.healthy_replicas() for p in self.pools.values())
 
     def candidates(self, pool: PoolState) -> list[Replica]:
-        """Replicas to try, best first: healthy by least load, then down ones as a last resort."""
+        """Replicas a picker may choose from: the healthy ones, else those whose back-off expired."""
         healthy = [r for r in pool.replicas if r.healthy]
-        healthy.sort(key=lambda r: r.load)
         if healthy:
             return healthy
         # Nothing known healthy (start-up, or all failing): try the ones whose back-off expired.
@@ -133,6 +154,14 @@ class Fleet:
         return [r for r in pool.replicas if r.down_until <= now] or list(pool.replicas)
 
     # -- writes --
+    @staticmethod
+    def lease(replica: Replica) -> Lease:
+        """Count one request on ``replica`` until ``release()`` (idempotent; also a context manager).
+
+        The only writer of ``Replica.inflight``: an early return or an exception cannot leak a count.
+        """
+        return Lease(replica)
+
     def mark_down(self, replica: Replica, reason: str) -> None:
         if replica.healthy:
             log.warning("replica %s marked down: %s", replica.url, reason)

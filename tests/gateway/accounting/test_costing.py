@@ -8,7 +8,7 @@ import pytest
 
 from usefulwork.config import CostCfg, Pool, Prices
 from usefulwork.gateway.context import RequestContext
-from usefulwork.gateway.costing import PoolMeter, Share, price_sheet_cost, request_spans, work_units
+from usefulwork.gateway.accounting.costing import PoolMeter, Share, price_sheet_cost, request_spans, work_units
 
 
 def _ctx(**kw) -> RequestContext:
@@ -37,7 +37,7 @@ def test_work_units_use_configured_weights_and_skip_cached_prefill():
 
 
 def test_request_spans_map_perf_counter_to_wall_clock():
-    ctx = _ctx(wall_start=1000.0, t_start=50.0, t_admitted=50.5, t_first_token=51.0, t_end=53.0)
+    ctx = _ctx(wall_start=1000.0, t_start=50.0, t_forwarded=50.5, t_first_token=51.0, t_end=53.0)
     assert request_spans(ctx, 7.0, 9.0) == [(1000.5, 1001.0, 7.0), (1001.0, 1003.0, 9.0)]
     # never got a first token: everything is prefill time
     ctx = _ctx(wall_start=1000.0, t_start=50.0, t_end=52.0)

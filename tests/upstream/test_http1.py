@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from usefulwork.backends.http1 import ConnectFailed, UpstreamClosed, UpstreamPool, UpstreamTimeout
+from usefulwork.upstream.http1 import ConnectFailed, UpstreamClosed, UpstreamPool, UpstreamTimeout
 
 BODY = b'{"ok":true}'
 UNARY = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(BODY), BODY)

@@ -17,8 +17,8 @@ Names (Prometheus form in brackets):
 - ``usefulwork.gpu.cost.usd`` [usefulwork_gpu_cost_usd_total] each pool's GPU cost since it came up (live)
 - ``usefulwork.cache.lookups`` [usefulwork_cache_lookups_total] by result
 - ``usefulwork.routing.decisions`` [usefulwork_routing_decisions_total] by pool, route, reason
-- ``usefulwork.admission.decisions`` [usefulwork_admission_decisions_total] by decision = admitted|queued|shed|rejected
-- ``usefulwork.admission.queue_wait`` [usefulwork_admission_queue_wait_seconds] histogram
+- ``usefulwork.admission.decisions`` [usefulwork_admission_decisions_total] by decision = admitted|shed|rejected
+- ``usefulwork.request.intake`` [usefulwork_request_intake_seconds] histogram: reading + validating the body
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from usefulwork.config import Config
 from usefulwork.gateway.context import RequestContext
-from usefulwork.gateway.costing import PoolMeter, Settled
+from usefulwork.gateway.accounting.costing import PoolMeter, Settled
 
 log = logging.getLogger("usefulwork.telemetry")
 
@@ -153,8 +153,8 @@ class Telemetry:
             m.create_observable_counter(name, callbacks=[self._reader(name)], unit=unit, description=desc)
         m.create_observable_counter("usefulwork.gpu.cost.usd", callbacks=[self._gpu_cost], unit="{USD}",
                                     description="Each pool's GPU cost since it came up (count x $/GPU-hour).")
-        self.queue_wait = m.create_histogram("usefulwork.admission.queue_wait", unit="s",
-                                             description="Time a request waited for admission.",
+        self.intake = m.create_histogram("usefulwork.request.intake", unit="s",
+                                         description="Time to read, parse and validate a request body.",
                                              explicit_bucket_boundaries_advisory=DURATION_BUCKETS)
 
     def _reader(self, name: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
@@ -207,10 +207,10 @@ class Telemetry:
             add("usefulwork.routing.decisions", 1, (("pool", ctx.pool), ("route", ctx.route or "default"),
                                                     ("reason", ctx.route_reason or "none")))
         decision = ("shed" if ctx.outcome == "shed" else "rejected" if ctx.outcome == "rejected"
-                    else "queued" if rec["queue_wait_ms"] > 1.0 else "admitted")
+                    else "admitted")
         add("usefulwork.admission.decisions", 1, (("decision", decision),))
-        if ctx.t_admitted is not None:
-            self.queue_wait.record(rec["queue_wait_ms"] / 1000.0)
+        if ctx.t_validated is not None:
+            self.intake.record(rec["intake_ms"] / 1000.0)
         if self._spans:
             self._span(ctx, rec, op)
 

@@ -19,23 +19,23 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from usefulwork.backends.fleet import Fleet
+from usefulwork.upstream.fleet import Fleet
 from usefulwork.config import Config
-from usefulwork.gateway.ledger import Accountant
-from usefulwork.gateway.sinks import Sink, from_config
-from usefulwork.gateway.telemetry import Telemetry
+from usefulwork.gateway.accounting.ledger import Ledger
+from usefulwork.gateway.accounting.sinks import Sink, from_config
+from usefulwork.gateway.accounting.telemetry import Telemetry
 
-DASHBOARD = Path(__file__).with_name("static") / "dashboard.html"
+DASHBOARD = Path(__file__).parent.parent / "static" / "dashboard.html"
 
 
 @dataclass
 class AccountingBundle:
-    accountant: Accountant
+    accountant: Ledger
     routes: list[BaseRoute] = field(default_factory=list)
     telemetry: Telemetry | None = None
 
 
-def _routes(accountant: Accountant) -> list[BaseRoute]:
+def _routes(accountant: Ledger) -> list[BaseRoute]:
     page = DASHBOARD.read_bytes()
 
     async def stats(request: Request) -> Response:
@@ -57,7 +57,7 @@ def build(cfg: Config, fleet: Fleet, *, sinks: list[Sink] | None = None,
     """Sinks and telemetry come from cfg unless given (tests pass in-memory ones)."""
     if sinks is None:
         sinks = from_config(cfg.ledger.jsonl_path, cfg.ledger.redis_url, cfg.ledger.redis_stream)
-    accountant = Accountant(cfg, fleet, sinks)
+    accountant = Ledger(cfg, fleet, sinks)
     if telemetry is None:
         telemetry = Telemetry(cfg, accountant.meters)
     accountant.telemetry = telemetry

@@ -10,8 +10,8 @@ import pytest
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from usefulwork.gateway.telemetry import Telemetry
-from tests.gateway.test_ledger import T0, ctx_at, make_accountant, make_cfg
+from usefulwork.gateway.accounting.telemetry import Telemetry
+from tests.gateway.accounting.test_ledger import T0, ctx_at, make_accountant, make_cfg
 
 
 def _points(reader: InMemoryMetricReader) -> dict[str, list]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from usefulwork.gateway.tokens import CHARS_PER_TOKEN, TOKENS_PER_MESSAGE, TokenEstimator, streamed_text
+from usefulwork.gateway.accounting.tokens import CHARS_PER_TOKEN, TOKENS_PER_MESSAGE, TokenEstimator, streamed_text
 
 
 def test_streamed_text_reads_chat_and_completions_chunks_and_ignores_the_rest():

@@ -10,11 +10,11 @@ import orjson
 import pytest
 
 from usefulwork import config
-from usefulwork.backends.fleet import Fleet
+from usefulwork.upstream.fleet import Fleet
 from usefulwork.gateway.context import RequestContext
-from usefulwork.gateway.costing import PoolMeter
-from usefulwork.gateway.ledger import Accountant, judge_slo
-from usefulwork.gateway.sinks import MemorySink
+from usefulwork.gateway.accounting.costing import PoolMeter
+from usefulwork.gateway.accounting.ledger import Ledger, judge_slo
+from usefulwork.gateway.accounting.sinks import MemorySink
 
 T0 = 1_800_000_000.0
 
@@ -50,19 +50,19 @@ def ctx_at(start: float, *, dur: float = 2.0, ttft: float | None = 0.2, pool: st
     """A finished request that started at wall-clock ``start`` (perf_counter base 0)."""
     c = RequestContext(id=f"r{next(_ids)}", endpoint="chat", model="s" if pool == "small" else "l", stream=True,
                        tenant=tenant, pool=pool, replica="http://127.0.0.1:1" if pool else None,
-                       wall_start=start, t_start=0.0, t_admitted=0.0, t_end=dur,
+                       wall_start=start, t_start=0.0, t_forwarded=0.0, t_end=dur,
                        t_first_token=ttft, prompt_tokens=prompt, completion_tokens=completion,
                        usage_source="backend" if prompt or completion else "none", outcome=outcome, **kw)
     return c
 
 
-def make_accountant(cfg=None, clock=None, sinks=None) -> tuple[Accountant, MemorySink, Clock]:
+def make_accountant(cfg=None, clock=None, sinks=None) -> tuple[Ledger, MemorySink, Clock]:
     cfg = cfg or make_cfg()
     clock = clock or Clock(T0)
     sink = MemorySink()
     fleet = Fleet(cfg)
     meters = {name: PoolMeter(name, ps.cfg.usd_per_hour, T0, cfg.cost.interval_s) for name, ps in fleet.pools.items()}
-    acc = Accountant(cfg, fleet, sinks if sinks is not None else [sink], meters=meters, clock=clock)
+    acc = Ledger(cfg, fleet, sinks if sinks is not None else [sink], meters=meters, clock=clock)
     return acc, sink, clock
 
 
@@ -183,7 +183,7 @@ async def test_windows_per_pool_tenant_and_fleet():
 
 async def test_cut_stream_is_counted_with_the_model_tokenizer():
     from usefulwork.backends.model import ensure_model
-    from usefulwork.gateway.tokens import TokenEstimator
+    from usefulwork.gateway.accounting.tokens import TokenEstimator
 
     folder = ensure_model()
     acc, sink, clock = make_accountant()

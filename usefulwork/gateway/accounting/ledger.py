@@ -1,6 +1,6 @@
 """The ledger: one record per client request, whatever its outcome, written off the hot path.
 
-``Accountant.finish(ctx)`` only appends the context to a deque (O(1), no I/O, no lock). A background
+``Ledger.finish(ctx)`` only appends the context to a deque (O(1), no I/O, no lock). A background
 task wakes every ``ledger.flush_interval_s`` (or as soon as ``batch_size`` requests are waiting)
 and, per batch:
 
@@ -26,14 +26,14 @@ from typing import Callable
 
 import orjson
 
-from usefulwork.backends.fleet import Fleet
+from usefulwork.upstream.fleet import Fleet
 from usefulwork.config import SLO, Config
 from usefulwork.gateway.context import RequestContext
-from usefulwork.gateway.costing import PoolMeter, Settled, Share, price_sheet_cost, request_spans, work_units
-from usefulwork.gateway.sinks import Sink
-from usefulwork.gateway.stats import Outcome, Stats
-from usefulwork.gateway.telemetry import Telemetry
-from usefulwork.gateway.tokens import TokenEstimator
+from usefulwork.gateway.accounting.costing import PoolMeter, Settled, Share, price_sheet_cost, request_spans, work_units
+from usefulwork.gateway.accounting.sinks import Sink
+from usefulwork.gateway.accounting.stats import FinishedRow, Stats
+from usefulwork.gateway.accounting.telemetry import Telemetry
+from usefulwork.gateway.accounting.tokens import TokenEstimator
 
 log = logging.getLogger("usefulwork.ledger")
 
@@ -81,7 +81,7 @@ def to_record(ctx: RequestContext, work: float) -> dict:
         "completion_tokens": ctx.completion_tokens,
         "cached_tokens": ctx.cached_tokens,
         "usage_source": ctx.usage_source,
-        "queue_wait_ms": _r(ctx.queue_wait_ms),
+        "intake_ms": _r(ctx.intake_ms),
         "ttft_ms": _r(ctx.ttft_ms),
         "tpot_ms": _r(ctx.tpot_ms),
         "e2e_ms": _r(ctx.e2e_ms),
@@ -95,7 +95,7 @@ def to_record(ctx: RequestContext, work: float) -> dict:
     }
 
 
-class Accountant:
+class Ledger:
     """Receives every finished request (see the module doc)."""
 
     def __init__(self, cfg: Config, fleet: Fleet, sinks: list[Sink], *, telemetry: Telemetry | None = None,
@@ -228,7 +228,7 @@ class Accountant:
         ctx.cost_usd = price_sheet_cost(pool, ctx)
         prefill, decode = work_units(self.cfg.cost, ctx)
         rec = to_record(ctx, prefill + decode)
-        self.stats.add(Outcome(
+        self.stats.add(FinishedRow(
             t_end=ctx.wall_start + (ctx.t_end - ctx.t_start), tenant=ctx.tenant, pool=ctx.pool,
             outcome=ctx.outcome, slo_met=ctx.slo_met, cache=ctx.cache, prompt_tokens=ctx.prompt_tokens,
             completion_tokens=ctx.completion_tokens, cached_tokens=ctx.cached_tokens,

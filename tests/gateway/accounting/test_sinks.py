@@ -7,7 +7,7 @@ import uuid
 import orjson
 import redis
 
-from usefulwork.gateway.sinks import JsonlSink, RedisStreamSink, from_config
+from usefulwork.gateway.accounting.sinks import JsonlSink, RedisStreamSink, from_config
 
 
 async def test_jsonl_sink_appends_lines(tmp_path):

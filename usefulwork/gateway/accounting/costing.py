@@ -224,7 +224,7 @@ def request_spans(ctx: RequestContext, prefill: float, decode: float) -> list[tu
     if ctx.t_end is None:
         return []
     base = ctx.wall_start - ctx.t_start  # perf_counter -> wall clock
-    start = base + (ctx.t_admitted if ctx.t_admitted is not None else ctx.t_start)
+    start = base + (ctx.t_forwarded if ctx.t_forwarded is not None else ctx.t_start)
     end = base + ctx.t_end
     first = base + ctx.t_first_token if ctx.t_first_token is not None else end
     first = min(max(first, start), end)
