@@ -106,7 +106,14 @@ Handler = Callable[[Call], Awaitable[Reply]]
 
 
 class Filter(Protocol):
-    """One step of the request path. ``name`` is the name used in ``Config.filters``."""
+    """One step of the request path. ``name`` is the name used in ``Config.filters``.
+
+    Optional members the gateway uses when a filter has them:
+    - ``routes``: a list of Starlette routes to mount (admin endpoints, feedback endpoints);
+    - ``stats() -> dict``: live figures, shown under ``filters.<name>`` in ``/usefulwork/stats``
+      and on the dashboard (tenant-scoped figures only in the fleet view);
+    - ``async start()`` / ``async stop()``: run with the app's lifespan (background tasks, stores).
+    """
 
     name: str
 
@@ -120,6 +127,7 @@ class Services:
     cfg: Config
     fleet: Fleet
     accountant: Accountant
+    meter: Any = None  # the gateway's OpenTelemetry Meter: instruments made here reach /metrics and OTLP
     # Model names a filter resolves itself (virtual models such as "auto"): intake accepts them
     # even though no pool serves them; the filter must set ``call.pool`` before the forwarder.
     virtual_models: set[str] = field(default_factory=set)

@@ -4,6 +4,10 @@ The forwarder tries the returned replicas in order (the next one only when the p
 before anything reached the client). ``replicas`` are the pool's candidates (healthy ones, or,
 when none is known healthy, those whose back-off expired); a picker orders them and may drop some,
 never add. Scoring pickers (prefix affinity, load) implement the same one method.
+
+A picker may also have ``feedback(call, replica)``: the forwarder registers it to run when the
+reply is closed, when ``call.ctx`` holds the final usage (``cached_tokens`` included), so a prefix
+picker can check its prediction against what vLLM reports.
 """
 
 from __future__ import annotations
@@ -11,8 +15,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from usefulwork.config import Config
     from usefulwork.gateway.pipeline import Call
-    from usefulwork.upstream.fleet import Replica
+    from usefulwork.upstream.fleet import Fleet, Replica
 
 
 class Picker(Protocol):
@@ -32,3 +37,8 @@ class LeastLoaded:
 
 def _load(r: Replica) -> float:
     return r.load
+
+
+def build_pickers(cfg: Config, fleet: Fleet) -> dict[str, Picker]:
+    """One picker per pool (the forwarder asks ``pickers[pool.name]``)."""
+    return {name: LeastLoaded() for name in fleet.pools}
