@@ -19,6 +19,9 @@ from typing import Any, Mapping
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from usefulwork.gateway.admission.config import AdmissionCfg
+from usefulwork.gateway.tenants import AccessCfg, TenantCfg
+
 ENV_PREFIX = "USEFULWORK__"
 
 
@@ -156,6 +159,9 @@ class Config(_Strict):
     ledger: LedgerCfg = LedgerCfg()
     cost: CostCfg = CostCfg()
     telemetry: TelemetryCfg = TelemetryCfg()
+    tenants: dict[str, TenantCfg] = Field(default_factory=dict, description="Tenant name -> hashed keys, limits, budget, priority, weight (docs/admission.md).")
+    access: AccessCfg = AccessCfg()
+    admission: AdmissionCfg = AdmissionCfg()
     filters: list[str] = Field(default_factory=list, description="Request filters, in the order they run "
                                "(names: usefulwork/gateway/filters/__init__.py; docs/architecture.md).")
     source: str = Field("<defaults>", description="Where this config came from (set by the loader).")
