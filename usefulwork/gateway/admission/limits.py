@@ -166,7 +166,11 @@ class RedisLimits:
     def __init__(self, url: str, prefix: str = "usefulwork:admission", timeout_s: float = 0.5):
         import redis.asyncio as aioredis  # noqa: PLC0415 (only when Redis is configured)
 
-        self.r = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        # A bounded pool that waits for a free connection: the default pool raises "Too many
+        # connections" under a burst (measured: 1500 concurrent checks from one process).
+        pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=32, timeout=timeout_s * 4,
+                                                        socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.r = aioredis.Redis(connection_pool=pool)
         self.prefix = prefix
         self._check = self.r.register_script(_CHECK)
         self._settle = self.r.register_script(_SETTLE)
@@ -200,6 +204,7 @@ class RedisLimits:
 
     async def close(self) -> None:
         await self.r.aclose()
+        await self.r.connection_pool.disconnect()
 
 
 class StoreDown(Exception):
