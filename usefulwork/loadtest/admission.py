@@ -105,7 +105,7 @@ def burst_figures(r: dict[str, Any], slo: SLOSpec, arrival: dict[str, Any] | Non
         "unserved_all_429_with_retry_after": all(x["status"] == 429 and x["retry_after_s"] > 0 for x in unserved),
         "unserved_not_429": sum(1 for x in unserved if x["status"] != 429),
         "shed_answer_p99_wall_ms": None if not sheds else _p(sheds, 99) * 1000.0,
-        "goodput_per_s": sum(x["good"] for x in rows) / r["duration"] if r["duration"] else 0.0,
+        "goodput_per_s": sum(x["good"] for x in rows) / r["duration"] if r["duration"] else 0.0,  # whole run
         "goodput_in_peaks_per_s": sum(x["good"] for x in in_peak) / peak_s if peak_s else 0.0,
         "offered_in_peaks_per_s": len(in_peak) / peak_s if peak_s else 0.0,
         "shed_reasons": {k: sum(1 for x in rows if x["shed_reason"] == k) for k in
@@ -125,7 +125,7 @@ def _ttft_p99(r: dict[str, Any], groups: Sequence[str]) -> float | None:
 
 def verdicts(exp, cells: list[dict[str, Any]]) -> dict[str, Any]:
     spec = exp.compare["admission"]
-    off, on = spec["off"], spec["on"]
+    off, on = spec["profile_off"], spec["profile_on"]
     slo = exp.slo
     out: dict[str, Any] = {"definitions": __doc__.split("\n\n")[1].strip()}
 
@@ -134,7 +134,10 @@ def verdicts(exp, cells: list[dict[str, Any]]) -> dict[str, Any]:
     for case in spec.get("capacity_cases", []):
         r = _cell(cells, case, off)
         if r is not None:
-            steady.append({"case": case, "rate": r.get("request_rate"), "goodput_per_s": r["request_goodput"],
+            spec_c = exp.cases[case]
+            # Per second of arrivals (as the burst's goodput below): the drain tail is not idle capacity.
+            steady.append({"case": case, "rate": (spec_c.get("arrival") or {}).get("rate"),
+                           "goodput_per_s": r["good"] / float(spec_c["duration_s"]),
                            "attainment": r["slo_pass_rate"], "met_slo": r["slo_pass_rate"] >= slo.attainment})
     passing = [s["goodput_per_s"] for s in steady if s["met_slo"]]
     capacity = max(passing) if passing else None
