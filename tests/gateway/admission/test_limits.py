@@ -68,7 +68,7 @@ from usefulwork.gateway.admission.limits import RedisLimits
 from usefulwork.gateway.tenants import TenantCfg
 url, prefix, n, start_at = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
 async def main():
-    lim = RedisLimits(url, prefix)
+    lim = RedisLimits(url, prefix, timeout_s=5.0)  # atomicity under test, not timeouts (a loaded CI box)
     cfg = TenantCfg(rpm=1000)
     while time.time() < start_at:
         await asyncio.sleep(0.001)
@@ -176,5 +176,34 @@ def test_fail_closed_raises_store_down_while_redis_is_unreachable():
             assert (await lim.check("t", TenantCfg(), 1)).ok  # no limits configured: no store needed
         finally:
             await lim.close()
+
+    asyncio.run(go())
+
+
+def test_fair_share_counters_are_shared_through_redis(redis_url):
+    """Two processes' queues (here two syncers) converge on the fleet-wide tokens served per tenant."""
+    import redis.asyncio as aioredis
+
+    from usefulwork.gateway.admission.limits import FairShareSync
+
+    prefix = f"uwtest:{uuid.uuid4().hex}"
+
+    async def go():
+        r = aioredis.Redis.from_url(redis_url)
+        a, b = FairShareSync(r, prefix), FairShareSync(r, prefix)
+        ca, cb = {"heavy": 3000.0}, {"quiet": 100.0}
+        await a.sync("p", ca)
+        await b.sync("p", cb)
+        await a.sync("p", ca)
+        assert ca == cb == {"heavy": 3000.0, "quiet": 100.0}
+        ca["heavy"] += 500.0  # served more in A since; B learns it at its next sync
+        cb["quiet"] += 50.0
+        await a.sync("p", ca)
+        await b.sync("p", cb)
+        assert cb == {"heavy": 3500.0, "quiet": 150.0}
+        await a.sync("p", ca)
+        assert ca == cb
+        await r.delete(f"{prefix}:vtc:p")
+        await r.aclose()
 
     asyncio.run(go())

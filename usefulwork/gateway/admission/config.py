@@ -31,4 +31,5 @@ class AdmissionCfg(BaseModel):
     redis_prefix: str = Field("usefulwork:admission", description="Prefix of the Redis keys.")
     on_redis_down: Literal["open", "closed"] = Field("open", description="Redis unreachable: 'open' keeps serving with "
                                                      "per-process limits; 'closed' answers 503.")
+    redis_timeout_s: float = Field(1.0, gt=0, description="Per-command Redis timeout; slower counts as down.")
     redis_retry_s: float = Field(2.0, gt=0, description="How often to try Redis again after it failed.")

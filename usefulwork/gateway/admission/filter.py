@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from usefulwork.gateway.admission.capacity import Capacity, Sample
 from usefulwork.gateway.admission.config import AdmissionCfg
-from usefulwork.gateway.admission.limits import FailoverLimits, Limits, LocalLimits, RedisLimits, StoreDown
+from usefulwork.gateway.admission.limits import (FailoverLimits, FairShareSync, Limits, LocalLimits, RedisLimits,
+                                                StoreDown)
 from usefulwork.gateway.admission.queue import PoolQueue, Ticket, retry_after_header
 from usefulwork.gateway.errors import JSON_HEADERS, error_body
 from usefulwork.gateway.pipeline import Call, Handler, Reply
@@ -79,11 +80,14 @@ class AdmissionFilter:
         if limits is None:
             local = LocalLimits()
             if self.cfg.redis_url:
-                limits = FailoverLimits(RedisLimits(self.cfg.redis_url, self.cfg.redis_prefix), local,
+                limits = FailoverLimits(RedisLimits(self.cfg.redis_url, self.cfg.redis_prefix, self.cfg.redis_timeout_s), local,
                                         fail_closed=self.cfg.on_redis_down == "closed", retry_s=self.cfg.redis_retry_s)
             else:
                 limits = local
         self.limits = limits
+        shared = getattr(limits, "shared", None)
+        self.fair_sync = FairShareSync(shared.r, self.cfg.redis_prefix) if isinstance(shared, RedisLimits) else None
+        self._sync_task: asyncio.Task | None = None
         self.queues: dict[str, PoolQueue] = {}
         self.decisions: dict[str, int] = {"admit": 0, "queued": 0, "shed": 0, "degraded": 0, "limited": 0}
         self._tasks: set[asyncio.Task] = set()
@@ -305,9 +309,25 @@ class AdmissionFilter:
 
     # -- lifecycle and figures --
     async def start(self) -> None:
-        return None
+        if self.fair_sync is not None:
+            self._sync_task = asyncio.create_task(self._sync_loop(), name="admission-fair-share-sync")
+
+    async def _sync_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.fair_sync.interval_s)
+            for name, q in list(self.queues.items()):
+                try:
+                    await self.fair_sync.sync(name, q.counters)
+                except Exception:  # noqa: BLE001 - Redis down: local counters until it is back (limits log it)
+                    break
 
     async def stop(self) -> None:
+        if self._sync_task is not None:
+            self._sync_task.cancel()
+            try:
+                await self._sync_task
+            except asyncio.CancelledError:
+                pass
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.limits.close()

@@ -163,7 +163,7 @@ return 1
 class RedisLimits:
     """The same buckets and spend in Redis, shared by every gateway process using ``prefix``."""
 
-    def __init__(self, url: str, prefix: str = "usefulwork:admission", timeout_s: float = 0.5):
+    def __init__(self, url: str, prefix: str = "usefulwork:admission", timeout_s: float = 1.0):
         import redis.asyncio as aioredis  # noqa: PLC0415 (only when Redis is configured)
 
         # A bounded pool that waits for a free connection: the default pool raises "Too many
@@ -273,3 +273,34 @@ class FailoverLimits:
 
     async def close(self) -> None:
         await self.shared.close()
+
+
+class FairShareSync:
+    """Virtual Token Counters shared by gateway processes: each process adds what it served since the
+    last sync to a Redis hash per pool and takes the fleet-wide sums back (every ``interval_s``).
+
+    A tenant served by another gateway then waits its turn here too. Between syncs a process works on
+    its local view; a failed sync keeps the local counters and tries again next time."""
+
+    def __init__(self, r, prefix: str, interval_s: float = 1.0):
+        self.r = r  # a redis.asyncio.Redis (RedisLimits.r)
+        self.prefix = prefix
+        self.interval_s = interval_s
+        self._synced: dict[str, dict[str, float]] = {}  # pool -> counters as of the last sync
+
+    async def sync(self, pool: str, counters: dict[str, float]) -> None:
+        base = self._synced.get(pool, {})
+        deltas = {t: v - base.get(t, 0.0) for t, v in counters.items() if v != base.get(t, 0.0)}
+        key = f"{self.prefix}:vtc:{pool}"
+        pipe = self.r.pipeline(transaction=True)
+        for t, d in deltas.items():
+            pipe.hincrbyfloat(key, t, d)
+        pipe.expire(key, 86400)
+        pipe.hgetall(key)
+        res = await pipe.execute()
+        fleet = {k.decode(): float(v) for k, v in res[-1].items()}
+        # Local changes made while the round trip was in flight are kept on top of the fleet's sums.
+        late = {t: counters.get(t, 0.0) - base.get(t, 0.0) - deltas.get(t, 0.0) for t in counters}
+        for t, v in fleet.items():
+            counters[t] = v + late.get(t, 0.0)
+        self._synced[pool] = {t: counters[t] - late.get(t, 0.0) for t in counters}
