@@ -32,14 +32,19 @@ def test_admit_queue_then_shed_at_arrival_with_retry_after():
     assert decisions == ["admit"] * 4
     # Budget = 2 s deadline - 0.1 s expected TTFT (and e2e 5 s - 1 s service): 1.9 s. The k-th queued
     # request is predicted to start after (k + 1) / 4 s (one dispatch interval of headroom): 6 fit.
-    kinds = [q.offer(ticket(0.0), 0.0) for _ in range(12)]
+    tickets = [ticket(0.0) for _ in range(12)]
+    for i, t in enumerate(tickets):
+        t.key = i + 1
+    kinds = [q.offer(t, 0.0) for t in tickets]
     queued = [d for d in kinds if d.kind == "queue"]
     shed = [d for d in kinds if d.kind == "shed"]
     assert len(queued) == 6 and len(shed) == 6
     assert all(d.predicted_wait_s <= 1.9 for d in queued)
     assert all(d.reason == "predicted_wait" and d.predicted_wait_s > 1.9 for d in shed)
-    # The first shed request would fit once 0.1 s of queue has drained: Retry-After says so.
-    assert shed[0].retry_after_s == pytest.approx(2.0 - 1.9, abs=1e-9)
+    # Retry-After: when the 6 queued + the places already promised + 2 dispatch intervals of margin
+    # have drained to a fresh budget: (6 + 0 + 4) / 4 - 1.9 = 0.6 s; each later shed one place later.
+    assert [d.retry_after_s for d in shed] == pytest.approx([0.6 + 0.25 * i for i in range(6)])
+    assert len(q.reservations) == 6
     assert q.shed_total == {"predicted_wait": 6}
 
 
@@ -204,3 +209,44 @@ def test_simulated_burst_every_admitted_request_meets_its_deadline():
     assert waits[int(len(waits) * 0.95)] <= 1.9  # and almost all within the budget the prediction allowed
     assert len(starts) + len(shed_at) + len(expired) == 240
     assert len(starts) >= 8 * 10  # the server was kept full: at least its capacity was served
+
+
+def test_retry_after_is_a_reserved_place_a_returning_client_finds():
+    """Clients that wait out Retry-After and send the same request again, during a 3x burst and
+    after it: most first retries are admitted (their place was held), on the virtual clock."""
+    q = make_queue(limit=8, service_s=1.0)
+
+    def service(i: int) -> float:
+        return 0.7 + 0.6 * ((i * 7) % 11) / 10
+
+    events: list = []
+    seq = 0
+    for i in range(240):  # 24 req/s for 10 s, then 4 req/s for 25 s
+        heapq.heappush(events, (i / 24.0, seq, "arrive", None, 0))
+        seq += 1
+    for i in range(100):
+        heapq.heappush(events, (10 + i / 4.0, seq, "arrive", None, 0))
+        seq += 1
+    first_retries, admitted_first = 0, 0
+    while events:
+        now, _, kind, t, tries = heapq.heappop(events)
+        if kind == "arrive":
+            key = t if t is not None else seq + 1
+            nt = ticket(now)
+            nt.key = key
+            d = q.offer(nt, now)
+            if tries == 1:
+                first_retries += 1
+                admitted_first += d.kind != "shed"
+            if d.kind == "admit":
+                heapq.heappush(events, (now + service(seq), seq, "done", nt, 0))
+            elif d.kind == "shed" and tries < 3:
+                heapq.heappush(events, (now + d.retry_after_s, seq, "arrive", key, tries + 1))
+        else:
+            for nt in q.release(t, now):
+                heapq.heappush(events, (now + service(seq), seq, "done", nt, 0))
+        seq += 1
+        q.expire(now)
+    assert first_retries > 100
+    assert admitted_first / first_retries >= 0.9
+    assert q.retries_honoured >= first_retries and not q.reservations  # every place taken back or expired

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+
+import orjson
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -158,7 +160,9 @@ class AdmissionFilter:
         queue = self.queue_for(call)
         now = self.clock()
         cls = PRIORITIES.index(p)
-        t = Ticket(ctx.tenant, cls, float(tokens), now, now + self.deadline_s[cls], max_tokens=max_tokens)
+        raw = call.raw if call.raw is not None else orjson.dumps(call.body, option=orjson.OPT_SORT_KEYS)
+        t = Ticket(ctx.tenant, cls, float(tokens), now, now + self.deadline_s[cls], max_tokens=max_tokens,
+                   key=hash((ctx.tenant, raw)) or 1)  # a retry sends the same body: it finds its reserved place
         decision = queue.offer(t, now)
         if decision.kind == "shed" and tenant_cfg.degrade is not None:
             queue, decision = self._degrade(call, queue, t, decision, tenant_cfg.degrade, now)

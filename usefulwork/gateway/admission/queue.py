@@ -14,6 +14,13 @@ Decision at arrival (``offer``):
   service TTFT, and the E2E SLO minus the expected service time);
 - **shed** otherwise, at once, with the time after which a retry fits (``retry_after_s``).
 
+**Retry-After is a reservation.** A shed request is told to come back when the work ahead of it,
+including the retries already promised a time, has drained; its tenant holds that place until then
+(plus ``RESERVATION_GRACE_S``), found again by ``Ticket.key`` (a hash of tenant and body: a retry
+sends the same body). New arrivals count the reservations that fall due within their own budget as
+work ahead, so a client that honours Retry-After finds its room; one that never returns releases
+the place after the grace.
+
 The predicted wait is (work ahead of it in dispatch order, less free slots) / drain rate. A queued
 request whose deadline passes anyway (new higher-class work overtook it) is shed by ``expire`` at
 its deadline. Everything here is synchronous and takes ``now``: the filter drives it with the event
@@ -22,6 +29,7 @@ loop's clock, the tests with a virtual one.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -31,6 +39,7 @@ from usefulwork.gateway.admission.capacity import Capacity, Sample
 from usefulwork.gateway.tenants import PRIORITIES
 
 DecisionKind = Literal["admit", "queue", "shed"]
+RESERVATION_GRACE_S = 2.0  # how long past its Retry-After a shed request's place is kept
 State = Literal["new", "queued", "admitted", "released", "shed", "cancelled"]
 
 
@@ -44,6 +53,7 @@ class Ticket:
     arrival: float
     deadline: float  # latest dispatch time that can still meet the SLO
     max_tokens: int | None = None
+    key: int = 0  # identifies a retry of the same request (tenant + body): its reserved place
     state: State = "new"
     admitted_at: float | None = None
     inflight_at_admit: int = 0
@@ -79,6 +89,9 @@ class PoolQueue:
     queued: int = 0
     admitted_total: int = 0
     shed_total: dict[str, int] = field(default_factory=dict)
+    reservations: list[tuple[float, int]] = field(default_factory=list)  # (retry time, ticket key), sorted
+    _held: dict[int, float] = field(default_factory=dict)  # ticket key -> its reserved time
+    retries_honoured: int = 0
 
     # -- the decision --
     def limit_for(self, cls: int) -> int:
@@ -99,10 +112,10 @@ class PoolQueue:
                 n += min(len(q), own + 1)
         return n
 
-    def predict_wait(self, t: Ticket) -> float | None:
+    def predict_wait(self, t: Ticket, reserved: int = 0) -> float | None:
         """Seconds until ``t`` would be dispatched (0: now; None: no measurement yet)."""
         free = self.limit_for(t.cls) - self.inflight
-        position = self.ahead_of(t) + 1 - max(0, free)
+        position = self.ahead_of(t) + reserved + 1 - max(0, free)
         if position <= 0:
             return 0.0
         rate = self.capacity.drain_rate()
@@ -118,31 +131,78 @@ class PoolQueue:
 
     def offer(self, t: Ticket, now: float) -> Decision:
         """Admit, queue or shed a new ticket. Admitted and queued ones hold a place until released."""
-        wait = self.predict_wait(t)
+        held = self._take_reservation(t.key, now)
+        budget = self.budget(t, now)
+        # A returning request is behind only the places promised before its own; a new one is behind
+        # every place that falls due within its budget.
+        reserved = self._reserved_until(held if held is not None else now + max(0.0, budget))
+        wait = self.predict_wait(t, reserved)
         if wait == 0.0 and self.ahead_of(t) == 0:
             self._admit(t, now)
             return Decision("admit")
-        budget = self.budget(t, now)
         if self.queued >= self.max_queue:
-            return self._shed(t, "queue_full", wait or 0.0, budget)
+            return self._shed(t, "queue_full", wait or 0.0, now)
         if t.cls == 2:  # sheddable: only ever fills a free slot
-            return self._shed(t, "sheddable", wait or 0.0, budget)
+            return self._shed(t, "sheddable", wait or 0.0, now)
         if wait is not None and wait > budget:
-            return self._shed(t, "predicted_wait", wait, budget)
+            return self._shed(t, "predicted_wait", wait, now)
         self._enqueue(t)
         return Decision("queue", predicted_wait_s=wait or 0.0)
 
-    def _shed(self, t: Ticket, reason: str, wait: float, budget: float) -> Decision:
+    def _shed(self, t: Ticket, reason: str, wait: float, now: float) -> Decision:
         t.state = "shed"
         t.shed_reason = reason
         self.shed_total[reason] = self.shed_total.get(reason, 0) + 1
-        # A retry fits once the work now ahead has drained down to what the budget allows.
-        full_budget = t.deadline - t.arrival - self.capacity.est_ttft()
-        retry = max(0.0, wait - max(0.0, full_budget)) if wait else 0.0
-        if reason == "queue_full" or retry == 0.0:
-            rate = self.capacity.drain_rate()
-            retry = max(retry, (self.queued / rate) if rate else 1.0)
-        return Decision("shed", reason, predicted_wait_s=wait, retry_after_s=max(retry, 0.05))
+        # Come back when everything ahead, promised retries included, has drained to what a fresh
+        # request's budget allows; hold that place for this tenant.
+        rate = self.capacity.drain_rate()
+        full_budget = max(0.0, t.deadline - t.arrival - self.capacity.est_ttft())
+        if rate:
+            free = self.limit_for(t.cls) - self.inflight
+            # + 2 dispatch intervals of margin: a retry told the exact boundary would miss half the time.
+            behind_all = self.ahead_of(t) + len(self.reservations) + 4 - max(0, free)
+            retry = max(0.0, behind_all / rate - full_budget)
+        else:
+            retry = 1.0
+        retry = max(retry, 0.05)
+        if t.cls < 2 and t.key:
+            self._reserve(now + retry, t.key)
+        return Decision("shed", reason, predicted_wait_s=wait, retry_after_s=retry)
+
+    # -- retry reservations --
+    def _prune(self, now: float) -> None:
+        r = self.reservations
+        i = 0
+        while i < len(r) and r[i][0] + RESERVATION_GRACE_S < now:
+            self._held.pop(r[i][1], None)
+            i += 1
+        if i:
+            del r[:i]
+
+    def _reserve(self, at: float, key: int) -> None:
+        old = self._held.pop(key, None)
+        if old is not None:
+            self.reservations.remove((old, key))
+        self._held[key] = at
+        bisect.insort(self.reservations, (at, key))
+
+    def _take_reservation(self, key: int, now: float) -> float | None:
+        """The retry of a shed request takes back its place; returns the place's time."""
+        self._prune(now)
+        at = self._held.pop(key, None) if key else None
+        if at is None:
+            return None
+        self.reservations.remove((at, key))
+        self.retries_honoured += 1
+        return at
+
+    def _reserved_until(self, until: float) -> int:
+        n = 0
+        for at, _ in self.reservations:
+            if at >= until:
+                break
+            n += 1
+        return n
 
     # -- queue mechanics --
     def _enqueue(self, t: Ticket) -> None:
@@ -255,6 +315,7 @@ class PoolQueue:
 
     def stats(self) -> dict[str, Any]:
         return {"inflight": self.inflight, "queued": self.depth(), "admitted": self.admitted_total,
+                "retry_reservations": len(self.reservations), "retries_honoured": self.retries_honoured,
                 "shed": dict(self.shed_total), "capacity": self.capacity.stats(),
                 "fair_share_tokens": {k: round(v, 1) for k, v in self.counters.items()}}
 
