@@ -49,6 +49,12 @@ def make_call(f: AdmissionFilter, tenant: str = "default", priority: str | None 
                 pool=f.services.fleet.pool_for_model(model), headers=headers)
 
 
+def measured_fast(f: AdmissionFilter) -> None:
+    """As if the pool had been measured to free a slot every 10 ms (so a second request queues)."""
+    cap = f.queues["p"].capacity
+    cap.service, cap.svc_ttft = 0.01, 0.001
+
+
 class Backend:
     """A fake ``next``: answers 200 with usage, optionally held open until released."""
 
@@ -108,6 +114,7 @@ def test_queued_request_waits_for_a_slot_then_runs():
         be = Backend(hold=True)
         first = asyncio.create_task(f(make_call(f), be))
         await asyncio.sleep(0.01)
+        measured_fast(f)
         second_call = make_call(f)
         second = asyncio.create_task(f(second_call, Backend()))
         await asyncio.sleep(0.05)
@@ -166,9 +173,10 @@ def test_deadline_passing_in_queue_is_a_429_at_the_deadline():
         be = Backend(hold=True)
         first = asyncio.create_task(f(make_call(f), be))
         await asyncio.sleep(0.01)
+        measured_fast(f)  # predicted to start at once, but the first request never ends
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        reply = await f(make_call(f), be)  # no measurement yet: it queues, then its deadline passes
+        reply = await f(make_call(f), be)  # it queues, then its deadline passes
         waited = loop.time() - t0
         be.gates[0].set()
         await (await first).aclose()
@@ -198,6 +206,7 @@ def test_slot_is_released_however_the_request_ends(how):
             await asyncio.sleep(0.01)
             q = f.queues["p"]
             if how == "cancelled_while_queued":
+                measured_fast(f)
                 second = asyncio.create_task(f(make_call(f), Backend()))
                 await asyncio.sleep(0.01)
                 assert q.queued == 1

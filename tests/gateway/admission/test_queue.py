@@ -101,10 +101,10 @@ def test_vtc_shares_tokens_by_weight_and_lifts_returning_tenant():
 
 
 def test_deadline_expiry_sheds_queued_ticket_at_its_deadline():
-    q = make_queue(limit=1, service_s=None)  # no measurement yet: nothing is shed on prediction
+    q = make_queue(limit=1, service_s=0.01)  # predicted to start within 20 ms ...
     q.offer(ticket(0.0), 0.0)
     late = ticket(0.0, deadline_s=2.0)
-    assert q.offer(late, 0.0).kind == "queue"
+    assert q.offer(late, 0.0).kind == "queue"  # ... but the running request never ends
     assert q.expire(1.99) == []
     assert q.expire(2.0) == [late] and late.shed_reason == "deadline" and q.queued == 0
 
@@ -162,6 +162,15 @@ def test_capacity_kv_cap_and_saturation_from_replica_metrics():
     assert not cap.saturated()
     r.waiting = 3.0
     assert cap.saturated()
+
+
+def test_cold_pool_assumes_a_slot_is_held_for_the_whole_e2e_slo():
+    q = make_queue(limit=2, service_s=None)
+    assert q.capacity.drain_rate() == pytest.approx(2 / 5.0)
+    for _ in range(2):
+        q.offer(ticket(0.0), 0.0)
+    d = q.offer(ticket(0.0), 0.0)  # (0 + 1 + 1) / 0.4 = 5 s > 2 s: told at once, not at the deadline
+    assert (d.kind, d.reason) == ("shed", "predicted_wait")
 
 
 def test_retry_after_headers():

@@ -47,6 +47,7 @@ class Capacity:
         self.replicas = replicas  # live replica state (running, waiting, kv_usage, num_gpu_blocks, block_size)
         self._count = replica_count or (lambda: max(1, sum(1 for r in self.replicas() if getattr(r, "healthy", True))))
         f = cfg.target_fraction
+        self.slo_e2e_s = slo_e2e_s
         self.ttft_target = slo_ttft_s * f
         self.tpot_target = slo_tpot_s * f
         self.e2e_target = slo_e2e_s * f
@@ -90,10 +91,10 @@ class Capacity:
         return max(self.cfg.min_concurrency, int(lim))
 
     def drain_rate(self) -> float | None:
-        """Requests per second that leave a full pool (None before the first measurement)."""
-        if not self.service:
-            return None
-        return self.current() / self.service
+        """Requests per second that leave a full pool. Before the first measurement, a slot is
+        assumed held for the whole E2E SLO (cautious: a cold gateway sheds early rather than late)."""
+        service = self.service or self.slo_e2e_s
+        return self.current() / service if service else None
 
     def est_ttft(self) -> float:
         return self.svc_ttft or 0.0
