@@ -283,7 +283,9 @@ class AdmissionFilter:
             ttft = None if ctx.t_first_token is None else max(0.0, ctx.t_first_token - t.admitted_at)
             tpot = ctx.tpot_ms
             sample = Sample(ttft=ttft, tpot=None if tpot is None else tpot / 1000.0, service=now - t.admitted_at,
-                            tokens=ctx.prompt_tokens + ctx.completion_tokens, ok=ok and ctx.outcome == "ok",
+                            # (the endpoint classifies the outcome after closing: read the status)
+                            tokens=ctx.prompt_tokens + ctx.completion_tokens,
+                            ok=ok and ctx.status_code < 400 and ctx.t_first_token is not None,
                             inflight_at_admit=t.inflight_at_admit)
         actual = ctx.prompt_tokens + ctx.completion_tokens if ctx.usage_source != "none" else None
         self._dispatch(queue, queue.release(t, now, sample, actual))
