@@ -293,6 +293,10 @@ def reference_rows(model: type[BaseModel] = Config, prefix: str = "", defaults: 
             rows.append((path, sub.__name__, "" if default is not None else "None", doc.splitlines()[0] if doc else ""))
             rows.extend(reference_rows(sub, path + ".", default if isinstance(default, BaseModel) else None))
             continue
+        if getattr(ann, "__origin__", None) is dict and isinstance(args[1], type) and issubclass(args[1], BaseModel):
+            rows.append((path, f"map of name to {args[1].__name__}", "{}", f.description or ""))
+            rows.extend(reference_rows(args[1], path + ".<name>."))
+            continue
         if args and isinstance(args[0], type) and issubclass(args[0], BaseModel):
             rows.append((path, f"list of {args[0].__name__}", "[]", f.description or ""))
             rows.extend(reference_rows(args[0], path + "[]."))
