@@ -114,7 +114,7 @@ def test_two_gateways_share_rpm_and_budget_through_redis(sim, tmp_path, redis_ur
     prefix = f"uwtest:{uuid.uuid4().hex}"
     tenants = {"burst": {"key_hashes": [hash_key("kb")], "rpm": 100},
                "spend": {"key_hashes": [hash_key("ks")], "budget_usd_per_day": 3.0}}
-    adm = {"redis_url": redis_url, "redis_prefix": prefix}
+    adm = {"redis_url": redis_url, "redis_prefix": prefix, "initial_concurrency": 256}  # only the limits bind
     gws = [gateway(sim, tmp_path, tenants=tenants, admission=adm) for _ in range(2)]
     try:
         async def burst():
