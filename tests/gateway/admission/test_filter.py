@@ -301,3 +301,26 @@ def test_degrade_caps_max_tokens_instead_of_shedding():
     assert reply.status == 200
     assert call.body["max_tokens"] == 8 and call.raw is None
     assert call.ctx.admission == "degraded:max_tokens=8"
+
+
+def test_gateway_shows_admission_stats_to_the_admin_only():
+    """Wired into the app: its stats reach /usefulwork/stats (fleet view) and the dashboard has a place."""
+    from starlette.testclient import TestClient
+
+    from usefulwork.gateway.app import build_app
+
+    cfg = from_mapping({"pools": [{"name": "p", "models": [MODEL], "replicas": ["http://127.0.0.1:9"]}],
+                        "filters": ["admission"], "tenants": {"t": {"key_hashes": [hash_key("tk")]}},
+                        "access": {"admin_key_hashes": [hash_key("ak")]}}, environ={})
+    app = build_app(cfg)
+    with TestClient(app.app) as c:
+        r = c.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1},
+                   headers={"authorization": "Bearer tk"})
+        assert r.status_code in (502, 503)  # nothing listens upstream; admission let it through and released it
+        fleet = c.get("/usefulwork/stats", headers={"authorization": "Bearer ak"}).json()
+        pool = fleet["filters"]["admission"]["pools"]["p"]
+        assert pool["admitted"] == 1 and pool["inflight"] == 0
+        mine = c.get("/usefulwork/stats", headers={"authorization": "Bearer tk"}).json()
+        assert "filters" not in mine
+        page = c.get("/usefulwork/dashboard", headers={"authorization": "Bearer ak"}).text
+        assert 'id="admission-table"' in page
