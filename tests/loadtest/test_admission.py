@@ -71,3 +71,18 @@ def test_burst_figures_and_jain():
     assert abs(f["shed_answer_p99_wall_ms"] - 20.0) < 1e-9  # 0.01 simulated s at time scale 0.5
     assert f["goodput_in_peaks_per_s"] == 1 / 9.0  # one good request in the single 9 s peak
     assert jain([1, 1, 1, 1]) == 1.0 and abs(jain([1, 0, 0, 0]) - 0.25) < 1e-12
+
+
+def test_admission_experiment_is_valid_and_plans_its_cells():
+    from usefulwork.loadtest.experiment import Options, gateway_config, load_experiment, plan
+
+    exp = load_experiment("admission")
+    cells = [(p.name, c.name) for p, _, c in plan(exp, Options())]
+    assert ("optimized-batched-admission-off", "burst") in cells and ("optimized-batched-admission-on", "burst") in cells
+    assert ("optimized-batched-admission-on", "capacity-10") not in cells  # per-case profile selection
+    on = next(p for p in exp.profiles if p.name.endswith("admission-on"))
+    cfg = gateway_config(exp, on, "http://127.0.0.1:1", 1)
+    assert cfg["filters"] == ["admission"] and "admission" not in cfg  # the filter's defaults, nothing tuned
+    from usefulwork.config import from_mapping
+
+    assert from_mapping(cfg, environ={}).tenants["heavy"].key_hashes
