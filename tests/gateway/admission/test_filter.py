@@ -324,3 +324,9 @@ def test_gateway_shows_admission_stats_to_the_admin_only():
         assert "filters" not in mine
         page = c.get("/usefulwork/dashboard", headers={"authorization": "Bearer ak"}).text
         assert 'id="admission-table"' in page
+        # the admin endpoint: a tenant's status, admin key only, never the key hashes
+        assert c.get("/usefulwork/admission/tenants/t", headers={"authorization": "Bearer tk"}).status_code == 401
+        assert c.get("/usefulwork/admission/tenants/nobody", headers={"authorization": "Bearer ak"}).status_code == 404
+        st = c.get("/usefulwork/admission/tenants/t", headers={"authorization": "Bearer ak"}).json()
+        assert st["settings"]["priority"] == "interactive" and "key_hashes" not in st["settings"]
+        assert st["fair_share_tokens"]["p"] > 0

@@ -30,6 +30,10 @@ from usefulwork.gateway.admission.config import AdmissionCfg
 from usefulwork.gateway.admission.limits import (FailoverLimits, FairShareSync, Limits, LocalLimits, RedisLimits,
                                                 StoreDown)
 from usefulwork.gateway.admission.queue import PoolQueue, Ticket, retry_after_header
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
 from usefulwork.gateway.errors import JSON_HEADERS, error_body
 from usefulwork.gateway.pipeline import Call, Handler, Reply
 from usefulwork.gateway.tenants import PRIORITIES, Tenants
@@ -94,6 +98,7 @@ class AdmissionFilter:
         self.decisions: dict[str, int] = {"admit": 0, "queued": 0, "shed": 0, "degraded": 0, "limited": 0}
         self._tasks: set[asyncio.Task] = set()
         self._instruments(services.meter)
+        self.routes = [Route("/usefulwork/admission/tenants/{name}", self._tenant_status, methods=["GET"])]
 
     # -- setup --
     def _instruments(self, meter: Any) -> None:
@@ -312,6 +317,33 @@ class AdmissionFilter:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    # -- admin endpoint --
+    async def _tenant_status(self, request: Request) -> Response:
+        """A tenant's settings (never its key hashes), today's spend and its place in the fair share;
+        admin key only (``access.admin_key_hashes``; open when no key is configured anywhere)."""
+        from usefulwork.gateway.access import Access  # noqa: PLC0415
+
+        access = Access(self.services.cfg)
+        if not access.is_admin(request):
+            return Response(error_body(401, "tenant status needs the admin key", code="invalid_api_key"),
+                            status_code=401, media_type="application/json")
+        name = request.path_params["name"]
+        if name not in self.tenants.by_name:
+            return Response(error_body(404, f"no tenant {name!r}", code="not_found"), status_code=404,
+                            media_type="application/json")
+        cfg = self.tenants.settings(name)
+        shared = getattr(self.limits, "shared", None)
+        spent = None
+        if isinstance(shared, RedisLimits):
+            try:
+                spent = await shared.spent_today(name)
+            except Exception:  # noqa: BLE001 - Redis down: say unknown
+                spent = None
+        body = {"tenant": name, "settings": cfg.model_dump(exclude={"key_hashes"}),
+                "spent_today_usd": spent, "fair_share_tokens": {p: q.counters.get(name, 0.0) for p, q in self.queues.items()},
+                "queued": {p: sum(len(c.get(name, ())) for c in q.queues) for p, q in self.queues.items()}}
+        return Response(orjson.dumps(body), media_type="application/json")
 
     # -- lifecycle and figures --
     async def start(self) -> None:
