@@ -418,7 +418,7 @@ def run_cell(exp: Experiment, profile: Profile, shape: dict[str, Any], case: Cas
                     clients=case.clients, honor_retry_after=case.honor_retry_after)
     workload = workloads.from_spec(case.workload, Path(exp.source).parent)
     target = Target(url, served_name(exp))
-    window = StatsWindow(url, s) if use_gateway else None
+    window = StatsWindow(url, s, exp.backend.get("admin_key")) if use_gateway else None
     if window:
         window.begin()
     progress = None

@@ -32,6 +32,7 @@ def test_admit_queue_then_shed_at_arrival_with_retry_after():
     assert decisions == ["admit"] * 4
     # Budget = 2 s deadline - 0.1 s expected TTFT (and e2e 5 s - 1 s service): 1.9 s. The k-th queued
     # request is predicted to start after (k + 1) / 4 s (one dispatch interval of headroom): 6 fit.
+    q.return_rate = 1.0  # as if shed clients had been coming back for their places
     tickets = [ticket(0.0) for _ in range(12)]
     for i, t in enumerate(tickets):
         t.key = i + 1
@@ -198,6 +199,7 @@ def test_simulated_burst_every_admitted_request_meets_its_deadline():
         now, _, kind, t = heapq.heappop(events)
         if kind == "arrive":
             t = ticket(now)
+            t.key = seq + 1  # every shed one holds a place, and none comes back for it
             d = q.offer(t, now)
             if d.kind == "admit":
                 starts.append((t, now))
@@ -218,6 +220,7 @@ def test_simulated_burst_every_admitted_request_meets_its_deadline():
     assert waits[int(len(waits) * 0.95)] <= 1.9  # and almost all within the budget the prediction allowed
     assert len(starts) + len(shed_at) + len(expired) == 240
     assert len(starts) >= 8 * 10  # the server was kept full: at least its capacity was served
+    assert q.return_rate < 0.05  # places nobody took back stopped counting
 
 
 def test_retry_after_is_a_reserved_place_a_returning_client_finds():
