@@ -100,6 +100,13 @@ class Pool(_Strict):
     def _urls(cls, v: list[str]) -> list[str]:
         out = []
         for url in v:
+            scheme, sep, rest = url.partition("://")
+            netloc = rest.split("/", 1)[0]
+            if "@" in netloc:  # never echo the secret: not here, not in /readyz, /metrics or logs
+                shown = f"{scheme}{sep}***@{netloc.rsplit('@', 1)[1]}"
+                raise ValueError(f"replica URL {shown!r} carries credentials (user:password@); they would show "
+                                 "wherever replicas are listed. Remove them and give vLLM's key as the pool's "
+                                 "api_key (sent as Authorization: Bearer)")
             if not (url.startswith("http://") or url.startswith("https://")):
                 raise ValueError(f"replica URL must start with http:// or https://, got {url!r}")
             out.append(url.rstrip("/").removesuffix("/v1"))
