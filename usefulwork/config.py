@@ -59,7 +59,7 @@ class Timeouts(_Strict):
     health_interval_s: float = Field(2.0, gt=0, description="Health check and /metrics scrape period.")
     retry_after_down_s: float = Field(5.0, gt=0, description="How long a failed replica stays down before re-probing.")
     client_header_s: float = Field(10.0, gt=0, description="A client must send a request's line and headers within "
-                                   "this time of connecting (or of its first byte on a kept-alive connection); "
+                                   "this time of connecting (or of the previous response's end on a kept-alive connection); "
                                    "else 408 and close (slowloris).")
 
 
