@@ -121,6 +121,12 @@ class LedgerCfg(_Strict):
     redis_stream: str = Field("usefulwork:ledger", description="Redis Stream key.")
     flush_interval_s: float = Field(0.5, gt=0, description="Sinks are written at least this often.")
     batch_size: int = Field(256, ge=1, description="Records per sink write (a full batch is written at once).")
+    max_hold_s: float = Field(5.0, gt=0, description="Longest a finished request's record waits for GPU-time "
+                              "settlement while other requests still run; a record reaches the sinks within "
+                              "max(max_hold_s, 2 x cost.interval_s) + cost.interval_s + flush_interval_s "
+                              "(what a SIGKILL can lose; docs/reliability.md).")
+    shutdown_timeout_s: float = Field(5.0, gt=0, description="Longest a clean stop waits for a sink that does "
+                                      "not answer (e.g. a hung Redis) before giving up on it.")
 
 
 class CostCfg(_Strict):
