@@ -42,10 +42,16 @@ class Limits(_Strict):
 
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0, description="Larger request bodies get 413.")
     body_timeout_s: float = Field(30.0, gt=0, description="A request body still incomplete after this long gets 408.")
+    max_header_bytes: int = Field(32 * 1024, ge=1024, description="Request line plus headers; larger gets 431 "
+                                  "(414 when the URL alone is too long), counted in usefulwork_http_rejected_total.")
+    max_upstream_body_bytes: int = Field(64 * 1024 * 1024, gt=0, description="A larger non-streaming upstream "
+                                         "answer fails that request with 502 (nothing more is read).")
+    max_sse_event_bytes: int = Field(1024 * 1024, gt=0, description="A larger single SSE event from upstream "
+                                     "ends that stream with an SSE error event (502).")
 
 
 class Timeouts(_Strict):
-    """Upstream timeouts and health probing."""
+    """Upstream and client timeouts, and health probing."""
 
     connect_s: float = Field(5.0, gt=0, description="TCP connect to a replica.")
     first_byte_s: float = Field(600.0, gt=0, description="Wait for the upstream's response headers (for a "
@@ -53,6 +59,9 @@ class Timeouts(_Strict):
     read_s: float = Field(600.0, gt=0, description="Gap allowed between two upstream body chunks.")
     health_interval_s: float = Field(2.0, gt=0, description="Health check and /metrics scrape period.")
     retry_after_down_s: float = Field(5.0, gt=0, description="How long a failed replica stays down before re-probing.")
+    client_header_s: float = Field(10.0, gt=0, description="A client must send a request's line and headers within "
+                                   "this time of connecting (or of the previous response's end on a kept-alive connection); "
+                                   "else 408 and close (slowloris).")
 
 
 class SLO(_Strict):
@@ -92,6 +101,13 @@ class Pool(_Strict):
     def _urls(cls, v: list[str]) -> list[str]:
         out = []
         for url in v:
+            scheme, sep, rest = url.partition("://")
+            netloc = rest.split("/", 1)[0]
+            if "@" in netloc:  # never echo the secret: not here, not in /readyz, /metrics or logs
+                shown = f"{scheme}{sep}***@{netloc.rsplit('@', 1)[1]}"
+                raise ValueError(f"replica URL {shown!r} carries credentials (user:password@); they would show "
+                                 "wherever replicas are listed. Remove them and give vLLM's key as the pool's "
+                                 "api_key (sent as Authorization: Bearer)")
             if not (url.startswith("http://") or url.startswith("https://")):
                 raise ValueError(f"replica URL must start with http:// or https://, got {url!r}")
             out.append(url.rstrip("/").removesuffix("/v1"))

@@ -114,3 +114,55 @@ def test_sigkill_loses_only_requests_that_ended_within_the_bound(tmp_path):
         holder.close()
         gw.stop()
         up.close()
+
+
+def _rss_mb(pid: int) -> float:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def test_huge_upstream_answers_fail_that_request_and_memory_stays_bounded(tmp_path):
+    """Issue #9.8: a 2 GiB non-streaming body took the gateway from 160 MB to 4.25 GB, and one SSE
+    event with no blank line cost 33 s of event-loop CPU. Now: 502 / an SSE error event for that
+    request, bounded memory, and the gateway keeps serving."""
+    async def hostile(head, body, w):
+        if b"huge" not in body:
+            w.write(json_response(200, USAGE))
+            await w.drain()
+            return True
+        stream = b'"stream":true' in body
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-type: " + (b"text/event-stream" if stream else b"application/json")
+                + b"\r\ntransfer-encoding: chunked\r\n\r\n" + (b"6\r\ndata: \r\n" if stream else b""))
+        piece = b"x" * 65536
+        try:
+            for _ in range(2 * 16384):  # up to 2 GiB, until the gateway hangs up
+                w.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                await w.drain()
+        except ConnectionError:
+            pass
+        return False
+
+    up = FaultUpstream(hostile).start()
+    gw = start_gateway(tmp_path, _cfg(up.url, limits={"max_upstream_body_bytes": 8 << 20},
+                                      timeouts={"health_interval_s": 0.5, "retry_after_down_s": 0.2}))
+    try:
+        rss0 = _rss_mb(gw.proc.pid)
+        t0 = time.monotonic()
+        r = httpx.post(gw.url + "/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "huge"}]})
+        assert r.status_code == 502 and "limit" in r.json()["error"]["message"]
+        with httpx.stream("POST", gw.url + "/v1/chat/completions", timeout=60, json={
+                "model": MODEL, "stream": True, "messages": [{"role": "user", "content": "huge"}]}) as s:
+            text = b"".join(s.iter_bytes())
+        assert s.status_code == 200 and b'"error"' in text and text.endswith(b"data: [DONE]\n\n")
+        assert time.monotonic() - t0 < 20
+        assert _rss_mb(gw.proc.pid) - rss0 < 200, "the gateway buffered the huge answers"
+        deadline = time.monotonic() + 10  # others keep being served (once the replica is back, if marked down)
+        while _post(gw.url) != 200:
+            assert time.monotonic() < deadline, gw.log_text()[-2000:]
+            time.sleep(0.2)
+    finally:
+        gw.stop()
+        up.close()
