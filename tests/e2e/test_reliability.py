@@ -146,23 +146,20 @@ def test_huge_upstream_answers_fail_that_request_and_memory_stays_bounded(tmp_pa
 
     up = FaultUpstream(hostile).start()
     gw = start_gateway(tmp_path, _cfg(up.url, limits={"max_upstream_body_bytes": 8 << 20},
-                                      timeouts={"health_interval_s": 0.5, "retry_after_down_s": 0.2}))
+                                      timeouts={"health_interval_s": 0.5}))
     try:
         rss0 = _rss_mb(gw.proc.pid)
         t0 = time.monotonic()
         r = httpx.post(gw.url + "/v1/chat/completions", timeout=60, json={
             "model": MODEL, "messages": [{"role": "user", "content": "huge"}]})
-        assert r.status_code == 502 and "limit" in r.json()["error"]["message"]
+        assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_error"
         with httpx.stream("POST", gw.url + "/v1/chat/completions", timeout=60, json={
                 "model": MODEL, "stream": True, "messages": [{"role": "user", "content": "huge"}]}) as s:
             text = b"".join(s.iter_bytes())
         assert s.status_code == 200 and b'"error"' in text and text.endswith(b"data: [DONE]\n\n")
         assert time.monotonic() - t0 < 20
         assert _rss_mb(gw.proc.pid) - rss0 < 200, "the gateway buffered the huge answers"
-        deadline = time.monotonic() + 10  # others keep being served (once the replica is back, if marked down)
-        while _post(gw.url) != 200:
-            assert time.monotonic() < deadline, gw.log_text()[-2000:]
-            time.sleep(0.2)
+        assert _post(gw.url) == 200  # the replica was not taken out of rotation: others keep being served
     finally:
         gw.stop()
         up.close()
