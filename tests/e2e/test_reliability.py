@@ -159,7 +159,10 @@ def test_huge_upstream_answers_fail_that_request_and_memory_stays_bounded(tmp_pa
         assert s.status_code == 200 and b'"error"' in text and text.endswith(b"data: [DONE]\n\n")
         assert time.monotonic() - t0 < 20
         assert _rss_mb(gw.proc.pid) - rss0 < 200, "the gateway buffered the huge answers"
-        assert _post(gw.url) == 200  # the replica was not taken out of rotation: others keep being served
+        up_lines = [line for line in httpx.get(gw.url + "/metrics", timeout=5).text.splitlines()
+                    if line.startswith("usefulwork_replica_up{")]
+        assert up_lines and all(line.endswith(" 1.0") for line in up_lines), up_lines  # still in rotation
+        assert _post(gw.url) == 200  # others keep being served
     finally:
         gw.stop()
         up.close()
