@@ -166,3 +166,48 @@ def test_huge_upstream_answers_fail_that_request_and_memory_stays_bounded(tmp_pa
     finally:
         gw.stop()
         up.close()
+
+
+def test_a_post_is_never_sent_twice_to_a_replica_and_a_retry_elsewhere_is_recorded(tmp_path):
+    """Issue #9.10: when a replica closed a reused keep-alive connection after reading a POST, the
+    gateway sent the same POST again to the same replica. Now it goes to another replica, and the
+    ledger record says the first one may have processed it."""
+    seen: list[tuple[int, bytes]] = []
+
+    def second_post_dies(tag: int):
+        """Replica 0 dies once, after reading the second POST on a connection; replica 1 never."""
+        per_conn: dict[int, int] = {}
+        died = []
+
+        async def respond(head, body, w):
+            seen.append((tag, body))
+            n = per_conn[id(w)] = per_conn.get(id(w), 0) + 1
+            if tag == 0 and n == 2 and not died:
+                died.append(1)
+                w.transport.abort()  # read the request (may have started it), then died
+                return False
+            w.write(json_response(200, USAGE))
+            await w.drain()
+            return True
+        return respond
+
+    ups = [FaultUpstream(second_post_dies(i)).start() for i in range(2)]
+    jsonl = tmp_path / "ledger.jsonl"
+    gw = start_gateway(tmp_path, {
+        "pools": [{"name": "p", "models": [MODEL], "replicas": [u.url for u in ups]}],
+        "timeouts": {"health_interval_s": 0.5}, "ledger": {"jsonl_path": str(jsonl)}})
+    try:
+        with httpx.Client(base_url=gw.url, timeout=30) as client:
+            for i in range(6):
+                r = client.post("/v1/chat/completions", json={
+                    "model": MODEL, "messages": [{"role": "user", "content": f"question {i}"}]})
+                assert r.status_code == 200, r.text
+        assert gw.stop(signal.SIGTERM) == 0
+        assert len(seen) == len(set(seen)), "a replica received the same POST twice"
+        retried = [r for r in _jsonl(jsonl) if r["attempts"] > 1]
+        assert retried, "no request met a connection that died after reading it"
+        assert all("may have been processed" in (r["error"] or "") for r in retried)
+    finally:
+        gw.stop()
+        for u in ups:
+            u.close()

@@ -67,6 +67,8 @@ class Forwarder:
                 lease.release()
                 last_error = type(exc).__name__
                 ctx.error = f"{replica.url}: {exc}"
+                if getattr(exc, "maybe_processed", False):  # http1 never re-sends a POST to the same replica
+                    ctx.error += " (the request had been sent whole: it may have been processed there)"
                 self.fleet.mark_down(replica, f"request failed: {type(exc).__name__}")
                 continue
             except UpstreamTimeout:
