@@ -23,7 +23,8 @@ from usefulwork.gateway.errors import GatewayError
 from usefulwork.gateway.pipeline import Call, Reply
 from usefulwork.gateway.sse import ResponsesSSE, SSEFilter
 from usefulwork.upstream.fleet import Fleet, Replica
-from usefulwork.upstream.http1 import ConnectFailed, Response, UpstreamClosed, UpstreamError, UpstreamTimeout
+from usefulwork.upstream.http1 import (ConnectFailed, Response, UpstreamClosed, UpstreamError, UpstreamTimeout,
+                                      UpstreamTooLarge)
 from usefulwork.upstream.pickers import Picker
 
 RETRY_STATUSES = frozenset({502, 503, 504})
@@ -101,6 +102,8 @@ class Forwarder:
             data = await resp.read()
         except UpstreamTimeout:
             raise GatewayError(504, "the model server timed out while answering", code="upstream_timeout") from None
+        except UpstreamTooLarge as exc:  # the answer, not the replica, is at fault: it stays in rotation
+            raise GatewayError(502, str(exc), code="upstream_too_large") from None
         except UpstreamError as exc:
             self.fleet.mark_down(replica, f"read failed: {type(exc).__name__}")
             raise GatewayError(502, "the model server failed while answering", code="upstream_error") from None
@@ -133,7 +136,7 @@ class Forwarder:
             if not filt.done:
                 raise UpstreamClosed("upstream closed the stream before it ended")
         except UpstreamError as exc:
-            if not isinstance(exc, UpstreamTimeout):
+            if not isinstance(exc, (UpstreamTimeout, UpstreamTooLarge)):
                 self.fleet.mark_down(replica, f"stream failed: {type(exc).__name__}")
             raise
         finally:
