@@ -152,7 +152,7 @@ def test_huge_upstream_answers_fail_that_request_and_memory_stays_bounded(tmp_pa
         t0 = time.monotonic()
         r = httpx.post(gw.url + "/v1/chat/completions", timeout=60, json={
             "model": MODEL, "messages": [{"role": "user", "content": "huge"}]})
-        assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_error"
+        assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_too_large"
         with httpx.stream("POST", gw.url + "/v1/chat/completions", timeout=60, json={
                 "model": MODEL, "stream": True, "messages": [{"role": "user", "content": "huge"}]}) as s:
             text = b"".join(s.iter_bytes())

@@ -24,11 +24,7 @@ from usefulwork.gateway.pipeline import Call, Reply
 from usefulwork.gateway.sse import ResponsesSSE, SSEFilter
 from usefulwork.upstream.fleet import Fleet, Replica
 from usefulwork.upstream.http1 import (ConnectFailed, Response, UpstreamClosed, UpstreamError, UpstreamTimeout,
-<<<<<<< HEAD
-                                       UpstreamTooLarge)
-=======
                                       UpstreamTooLarge)
->>>>>>> main
 from usefulwork.upstream.pickers import Picker
 
 RETRY_STATUSES = frozenset({502, 503, 504})
@@ -112,8 +108,7 @@ class Forwarder:
         except UpstreamTooLarge as exc:  # the answer, not the replica, is at fault: it stays in rotation
             raise GatewayError(502, str(exc), code="upstream_too_large") from None
         except UpstreamError as exc:
-            if not isinstance(exc, UpstreamTooLarge):  # an oversized answer is this request's problem only
-                self.fleet.mark_down(replica, f"read failed: {type(exc).__name__}")
+            self.fleet.mark_down(replica, f"read failed: {type(exc).__name__}")
             raise GatewayError(502, "the model server failed while answering", code="upstream_error") from None
         finally:
             lease.release()
