@@ -67,6 +67,8 @@ class Forwarder:
                 lease.release()
                 last_error = type(exc).__name__
                 ctx.error = f"{replica.url}: {exc}"
+                if getattr(exc, "maybe_processed", False):  # http1 never re-sends a POST to the same replica
+                    ctx.error += " (the request had been sent whole: it may have been processed there)"
                 self.fleet.mark_down(replica, f"request failed: {type(exc).__name__}")
                 continue
             except UpstreamTimeout:
@@ -94,7 +96,8 @@ class Forwarder:
         if call.ctx.stream and resp.status == 200:
             flavour = ResponsesSSE if call.op == "responses" else SSEFilter
             reply = Reply(200, list(SSE_HEADERS))
-            reply.chunks = self._relay(call, replica, resp, flavour(keep_usage=call.ctx.include_usage), reply)
+            filt = flavour(keep_usage=call.ctx.include_usage, max_event_bytes=self.fleet.cfg.limits.max_sse_event_bytes)
+            reply.chunks = self._relay(call, replica, resp, filt, reply)
             reply.on_close(lease.release)
             reply.on_close(resp.close)  # back to the pool if complete; aborted (upstream cancels) if not
             return reply
