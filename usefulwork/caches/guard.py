@@ -8,7 +8,10 @@ two texts differ in any of:
 - **negations** (not, no, never, n't, without, ...: their count);
 - **named entities** (capitalised words not opening a sentence, words with inner capitals or
   digits: as sets, lower-cased);
-- **word order** when the words are the same (same multiset, different sequence).
+- **word order** when the words are the same (same multiset, different sequence);
+- **one swapped content word** in otherwise identical wording ("Can dogs eat chocolate?" vs "Can
+  cats eat chocolate?", "open" vs "closed", "start" vs "end"): one word is all that differs, and
+  it carries the meaning. Swapping a function word ("How do I" / "How can I") is allowed.
 
 Pure string work on two short texts (tens of microseconds); no model.
 """
@@ -32,6 +35,11 @@ _NUMBER_WORDS = frozenset({"zero", "one", "two", "three", "four", "five", "six",
                            "double", "triple", "once", "twice", "dozen"})
 _ROLE_PREFIX = re.compile(r"^(?:system|user|assistant|developer|tool): ", re.MULTILINE)
 _OPENERS = frozenset(".!?:\n\"'(")
+_FUNCTION_WORDS = frozenset({"a", "an", "the", "do", "does", "did", "can", "could", "would", "will", "should",
+                            "shall", "may", "might", "must", "is", "are", "was", "were", "be", "how", "what",
+                            "which", "who", "please", "me", "my", "i", "you", "your", "we", "us", "our", "to",
+                            "of", "in", "on", "for", "it", "that", "this", "there", "at", "by", "with", "and",
+                            "or", "so", "just", "kindly", "whats", "what's"})
 # Capitalised words that are not names (question words, pronouns, auxiliaries opening a clause).
 _COMMON_CAPS = frozenset({"i", "i'm", "i've", "i'd", "i'll"})
 
@@ -79,4 +87,8 @@ def refusal(new: str, cached: str) -> str | None:
     b = [w.lower() for w in _words(cached)]
     if a != b and Counter(a) == Counter(b):
         return "word_order"
+    if len(a) == len(b):
+        diff = [(x, y) for x, y in zip(a, b) if x != y]
+        if len(diff) == 1 and not (diff[0][0] in _FUNCTION_WORDS and diff[0][1] in _FUNCTION_WORDS):
+            return "swapped_word"
     return None
