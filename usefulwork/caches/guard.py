@@ -81,12 +81,12 @@ def refusal(new: str, cached: str) -> str | None:
         return "numbers"
     if negations(new) != negations(cached):
         return "negation"
-    if entities(new) != entities(cached):
-        return "entities"
     a = [w.lower() for w in _words(new)]
     b = [w.lower() for w in _words(cached)]
     if a != b and Counter(a) == Counter(b):
         return "word_order"
+    if entities(new) != entities(cached):
+        return "entities"
     if len(a) == len(b):
         diff = [(x, y) for x, y in zip(a, b) if x != y]
         if len(diff) == 1 and not (diff[0][0] in _FUNCTION_WORDS and diff[0][1] in _FUNCTION_WORDS):
