@@ -56,8 +56,8 @@ async def test_semantic_partitions_by_tenant_and_system_prompt():
 
 async def test_feedback_on_a_bad_hit_raises_that_entry_threshold():
     f, up = CacheFilter(cfg=CacheCfg()), FakeUpstream()
-    await ask(f, up, make_call("What is the capital of France?"))
-    c = make_call("Which city is the capital of France?", headers=[(b"cache-control", b"no-store")])
+    await ask(f, up, make_call("What is the capital of France?", tenant="default"))
+    c = make_call("Which city is the capital of France?", tenant="default", headers=[(b"cache-control", b"no-store")])
     r, _ = await ask(f, up, c)
     assert r.header(b"x-usefulwork-cache").startswith(b"hit-semantic")
     app = Starlette(routes=f.routes)
@@ -67,7 +67,7 @@ async def test_feedback_on_a_bad_hit_raises_that_entry_threshold():
         assert client.post("/usefulwork/cache/feedback", content=b"{").status_code == 400
         ok = client.post("/usefulwork/cache/feedback", json={"request_id": c.ctx.id})
         assert ok.status_code == 200, ok.text
-    c2 = make_call("Which city is the capital of France?", headers=[(b"cache-control", b"no-store")])
+    c2 = make_call("Which city is the capital of France?", tenant="default", headers=[(b"cache-control", b"no-store")])
     r, _ = await ask(f, up, c2)
     assert r.header(b"x-usefulwork-cache") == b"miss"
     assert f.stats()["bad_hit_reports"] == 1
