@@ -143,7 +143,7 @@ async def test_ttl_expiry_and_lru_eviction_in_memory():
 
 
 class BrokenStore(MemoryStore):
-    async def get(self, key):
+    async def get(self, partition, key):
         raise ConnectionError("store down")
 
     async def put(self, entry):

@@ -186,7 +186,7 @@ class CacheFilter:
 
     async def _lookup(self, call: Call, keys: Keys, max_age: float | None) -> tuple[Entry, float | None] | None:
         fresh_after = time.time() - max_age if max_age is not None else 0.0
-        entry = await self.store.get(keys.exact)
+        entry = await self.store.get(keys.partition, keys.exact)
         if entry is not None and entry.created >= fresh_after:
             return entry, None
         if self.embedder is None or not self.index.size(keys.partition):
@@ -202,7 +202,7 @@ class CacheFilter:
                 break
             if score < self.policy.threshold(keys.model, key):
                 continue
-            entry = await self.store.get(key)
+            entry = await self.store.get(keys.partition, key)
             if entry is None:
                 await self.store.forget(keys.partition, key)
                 continue

@@ -33,8 +33,8 @@ class PartitionIndex:
         return len(self._row)
 
     def add(self, key: str, vec: np.ndarray) -> None:
-        if key in self._row:
-            self.remove(key)
+        if key in self._row:  # same key, same conversation, same vector (a replica's own write echoed back)
+            return
         if self._n == len(self._vecs):
             grown = np.empty((max(64, 2 * len(self._vecs)), DIM), dtype=np.float32)
             grown[:self._n] = self._vecs[:self._n]

@@ -61,7 +61,7 @@ class StoreError(Exception):
 class Store(Protocol):
     listener: StoreListener | None
 
-    async def get(self, key: str) -> Entry | None:
+    async def get(self, partition: str, key: str) -> Entry | None:
         """The live entry under ``key`` (marks it recently used), or None."""
 
     async def put(self, entry: Entry) -> None:
@@ -92,7 +92,7 @@ class MemoryStore:
         self.evicted = 0
         self.expired = 0
 
-    async def get(self, key: str) -> Entry | None:
+    async def get(self, partition: str, key: str) -> Entry | None:
         item = self._entries.get(key)
         if item is None:
             return None
