@@ -43,6 +43,7 @@ class Limits(_Strict):
     """Request limits."""
 
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0, description="Larger request bodies get 413.")
+    body_timeout_s: float = Field(30.0, gt=0, description="A request body still incomplete after this long gets 408.")
 
 
 class Timeouts(_Strict):
@@ -122,6 +123,12 @@ class LedgerCfg(_Strict):
     redis_stream: str = Field("usefulwork:ledger", description="Redis Stream key.")
     flush_interval_s: float = Field(0.5, gt=0, description="Sinks are written at least this often.")
     batch_size: int = Field(256, ge=1, description="Records per sink write (a full batch is written at once).")
+    max_hold_s: float = Field(5.0, gt=0, description="Longest a finished request's record waits for GPU-time "
+                              "settlement while other requests still run; a record reaches the sinks within "
+                              "max(max_hold_s, 2 x cost.interval_s) + cost.interval_s + flush_interval_s "
+                              "(what a SIGKILL can lose; docs/reliability.md).")
+    shutdown_timeout_s: float = Field(5.0, gt=0, description="Longest a clean stop waits for a sink that does "
+                                      "not answer (e.g. a hung Redis) before giving up on it.")
 
 
 class CostCfg(_Strict):
@@ -306,5 +313,18 @@ def reference_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_reference(doc: Path) -> None:
+    """Replace the generated table between the reference markers of docs/configuration.md."""
+    text = doc.read_text()
+    head, rest = text.split("<!-- reference:start -->\n", 1)
+    tail = rest.split("<!-- reference:end -->", 1)[1]
+    doc.write_text(f"{head}<!-- reference:start -->\n{reference_markdown()}<!-- reference:end -->{tail}")
+
+
 if __name__ == "__main__":
-    print(reference_markdown())
+    import sys
+
+    if sys.argv[1:2] == ["--write"]:  # python -m usefulwork.config --write docs/configuration.md
+        write_reference(Path(sys.argv[2]))
+    else:
+        print(reference_markdown())

@@ -16,6 +16,7 @@ Times are ``time.perf_counter`` seconds; the runner turns them into offsets from
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -46,6 +47,7 @@ class RequestResult:
     chunks: int = 0
     usage_seen: bool = False
     error: str = ""
+    request_id: str = ""  # sent as x-request-id: joins this result with the gateway's ledger record
 
     @property
     def schedule_lag(self) -> float:
@@ -137,7 +139,8 @@ async def send(client: httpx.AsyncClient, base_url: str, spec: RequestSpec, mode
     """Send one streaming request; never raises (every failure becomes an outcome)."""
     res = RequestResult(index=spec.index, kind=spec.kind, planned=planned, planned_input_tokens=spec.input_tokens)
     path = "/v1/chat/completions" if spec.endpoint == "chat" else "/v1/completions"
-    headers = {"content-type": "application/json"}
+    res.request_id = os.urandom(8).hex()
+    headers = {"content-type": "application/json", "x-request-id": res.request_id}
     if api_key:
         headers["authorization"] = f"Bearer {api_key}"
     body = orjson.dumps(spec.body(model))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import copy
 import fcntl
 import os
@@ -248,11 +249,14 @@ def time_scale(exp: Experiment, profile: Profile) -> float:
     return float(s)
 
 
-def gateway_config(exp: Experiment, profile: Profile, backend_url: str, port: int) -> dict[str, Any]:
+def gateway_config(exp: Experiment, profile: Profile, backend_url: str, port: int,
+                   ledger_path: Path | None = None) -> dict[str, Any]:
     s = time_scale(exp, profile)
     gpu = exp.backend.get("gpu") or {}
     return {
         "listen": {"host": "127.0.0.1", "port": port},
+        # The per-request ledger beside the results: joins with them on x-request-id (client_request_id).
+        "ledger": {"jsonl_path": str(ledger_path) if ledger_path else None},
         # In scaled time the gateway sees wall seconds: targets / s, price x s (see module doc).
         "slo": {"ttft_ms": exp.slo.ttft_ms / s, "tpot_ms": exp.slo.tpot_ms / s, "e2e_ms": exp.slo.e2e_ms / s},
         "timeouts": {"first_byte_s": 600.0, "read_s": 600.0},
@@ -353,11 +357,8 @@ def rescale(out: RunOutput, s: float) -> RunOutput:
         return out
     res: list[RequestResult] = []
     for r in out.results:
-        res.append(RequestResult(index=r.index, kind=r.kind, planned=r.planned * s, sent=r.sent * s, end=r.end * s,
-                                 outcome=r.outcome, status=r.status, ttft=r.ttft * s, itl=[g * s for g in r.itl],
-                                 prompt_tokens=r.prompt_tokens, output_tokens=r.output_tokens,
-                                 planned_input_tokens=r.planned_input_tokens, chunks=r.chunks,
-                                 usage_seen=r.usage_seen, error=r.error))
+        res.append(dataclasses.replace(r, planned=r.planned * s, sent=r.sent * s, end=r.end * s, ttft=r.ttft * s,
+                                       itl=[g * s for g in r.itl]))
     load = dict(out.load, time_scale=s)
     return RunOutput(results=res, wall_start=out.wall_start, wall_end=out.wall_end, load=load,
                      workload=out.workload, target=out.target)
@@ -505,7 +506,8 @@ def run_experiment(exp: Experiment, opts: Options, console: Console) -> dict[str
                 backend.wait_ready(timeout_s=600)
                 url = backend.base_url
                 if opts.use_gateway:
-                    gateway = Gateway(gateway_config(exp, profile, backend.base_url, gw_port), out_dir)
+                    gateway = Gateway(gateway_config(exp, profile, backend.base_url, gw_port,
+                                                     out_dir / f"ledger-{profile.name}.jsonl"), out_dir)
                     gateway.start()
                     url = gateway.base_url
                 started = time.monotonic() - t_prof
