@@ -234,7 +234,7 @@ class CacheFilter:
             self._m_saved.add(ctx.saved_usd, {"model": entry.model})
         return hit_reply(call.op, str(call.body.get("model", entry.model)), entry.choice, entry.usage,
                          stream=bool(call.body.get("stream")), include_usage=ctx.include_usage,
-                         headers=[(HEADER, header), (b"x-request-id", ctx.id.encode())])
+                         headers=[(HEADER, header)])
 
     def _count(self, result: str) -> None:
         if self._m_requests is not None:
@@ -264,7 +264,7 @@ class CacheFilter:
         reply.on_close(lambda: self._store_later(call, keys, lambda: answer_from_events(call.op, events, reply.usage)))
 
     def _store_later(self, call: Call, keys: Keys, answer) -> None:
-        if call.ctx.outcome != "ok":
+        if call.ctx.status_code != 200:  # a stream that failed after it began (the answer parse checks the rest)
             return
         task = asyncio.get_running_loop().create_task(self._store(call, keys, answer))
         self._tasks.add(task)
