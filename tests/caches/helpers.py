@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
@@ -32,13 +33,17 @@ def make_call(content: str | list[dict], *, tenant: str = "t1", stream: bool = F
 class FakeUpstream:
     """Answers like vLLM: ``answer`` for every request (JSON, or vLLM-shaped SSE chunks)."""
 
-    def __init__(self, answer: str = "the answer", status: int = 200):
+    def __init__(self, answer: str = "the answer", status: int = 200, delay_s: float = 0.0):
         self.answer = answer
         self.status = status
+        self.delay_s = delay_s  # time to the response (headers for a stream, the whole answer for JSON)
         self.calls = 0
+        self.closed = 0  # replies closed (a stream's close is what cancels the upstream request)
 
     async def __call__(self, call: Call) -> Reply:
         self.calls += 1
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
         usage = {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15}
         if self.status != 200:
             return Reply(self.status, [(b"content-type", b"application/json")], body=b'{"error": {}}')
@@ -63,7 +68,11 @@ class FakeUpstream:
             yield b"data: [DONE]\n\n"
 
         reply.chunks = chunks()
+        reply.on_close(self._closed)
         return reply
+
+    def _closed(self) -> None:
+        self.closed += 1
 
 
 async def drive(handler, call: Call) -> tuple[Reply, bytes]:

@@ -21,7 +21,7 @@ async def ask(f, up, call):
 
 
 async def test_paraphrase_hits_and_negation_is_refused():
-    f, up = CacheFilter(cfg=CacheCfg()), FakeUpstream("Paris.")
+    f, up = CacheFilter(cfg=CacheCfg()), FakeUpstream("Paris.", delay_s=0.3)
     await ask(f, up, make_call("What is the capital of France?"))
     r, body = await ask(f, up, make_call("Which city is the capital of France?"))
     cache = r.header(b"x-usefulwork-cache").decode()
@@ -31,7 +31,26 @@ async def test_paraphrase_hits_and_negation_is_refused():
     assert r.header(b"x-usefulwork-cache") == b"miss"
     r, _ = await ask(f, up, make_call("What is the capital of Germany?"))
     assert r.header(b"x-usefulwork-cache") == b"miss"
-    assert up.calls == 3 and f.stats()["requests"]["hit-semantic"] == 1
+    assert f.stats()["requests"]["hit-semantic"] == 1 and f.stats()["requests"]["miss"] == 3
+
+
+async def test_upstream_and_semantic_lookup_race():
+    f, up = CacheFilter(cfg=CacheCfg()), FakeUpstream("Paris.")
+    await ask(f, up, make_call("What is the capital of France?"))
+    # a complete JSON answer that arrives before the embedding wins: a miss, no wait for the lookup
+    r, _ = await ask(f, up, make_call("Which city is the capital of France?", headers=[(b"cache-control", b"no-store")]))
+    assert r.header(b"x-usefulwork-cache") == b"miss"
+    # a stream has only begun when its headers arrive: the semantic hit wins and closes it
+    closed = up.closed
+    c = make_call("Which city is the capital of France?", stream=True)
+    r, body = await ask(f, up, c)
+    assert r.header(b"x-usefulwork-cache").startswith(b"hit-semantic") and b"Paris." in body
+    assert up.closed == closed + 1 and c.ctx.replica is None
+    # sequential mode: the upstream is asked only on a miss
+    g, up2 = CacheFilter(cfg=CacheCfg(semantic=SemanticCfg(parallel=False))), FakeUpstream("Paris.")
+    await ask(g, up2, make_call("What is the capital of France?"))
+    r, _ = await ask(g, up2, make_call("Which city is the capital of France?"))
+    assert r.header(b"x-usefulwork-cache").startswith(b"hit-semantic") and up2.calls == 1
 
 
 async def test_requests_that_cannot_hit_skip_the_embedding():
@@ -44,7 +63,7 @@ async def test_requests_that_cannot_hit_skip_the_embedding():
 
 
 async def test_semantic_partitions_by_tenant_and_system_prompt():
-    f, up = CacheFilter(cfg=CacheCfg()), FakeUpstream()
+    f, up = CacheFilter(cfg=CacheCfg()), FakeUpstream(delay_s=0.3)
     await ask(f, up, make_call("How do I reverse a list in Python?", tenant="A", system="be brief"))
     probe = "How can I reverse a Python list?"
     for kw in ({"tenant": "B", "system": "be brief"}, {"tenant": "A", "system": "be verbose"}, {"tenant": "A"}):
@@ -55,7 +74,7 @@ async def test_semantic_partitions_by_tenant_and_system_prompt():
 
 
 async def test_feedback_on_a_bad_hit_raises_that_entry_threshold():
-    f, up = CacheFilter(cfg=CacheCfg()), FakeUpstream()
+    f, up = CacheFilter(cfg=CacheCfg()), FakeUpstream(delay_s=0.3)
     await ask(f, up, make_call("What is the capital of France?", tenant="default"))
     c = make_call("Which city is the capital of France?", tenant="default", headers=[(b"cache-control", b"no-store")])
     r, _ = await ask(f, up, c)

@@ -23,6 +23,8 @@ class SemanticCfg(_Strict):
                                "(POST /usefulwork/cache/feedback) raises the threshold of the entry and of the "
                                "model until the observed rate's upper bound is within it.")
     max_threshold: float = Field(0.995, gt=0.0, le=1.0, description="Feedback never raises a threshold above this.")
+    parallel: bool = Field(True, description="Start the upstream request while the semantic lookup runs (a miss "
+                           "waits for no embedding; a hit cancels the upstream request, wasting part of one prefill).")
     index_min_entries: int = Field(2048, ge=1, description="Partitions with fewer entries are searched exactly "
                                    "(numpy); larger ones through a faiss HNSW index.")
 
@@ -50,7 +52,7 @@ class CacheCfg(_Strict):
     max_temperature: float = Field(0.0, ge=0.0, le=2.0, description="Requests sampled hotter than this are not "
                                    "cached unless they fix a `seed` (an absent temperature counts as 1.0).")
     cache_tools: bool = Field(False, description="Cache requests that offer tools.")
-    redis_timeout_s: float = Field(0.05, gt=0, description="A Redis call slower than this bypasses the cache for the request.")
+    redis_timeout_s: float = Field(0.1, gt=0, description="A Redis call slower than this bypasses the cache for the request.")
     admin_tenant: str = Field("admin", min_length=1, description="Tenant whose API key may purge the cache "
                               "(auth.api_keys); with no keys configured purging is refused.")
     semantic: SemanticCfg = SemanticCfg()

@@ -150,28 +150,37 @@ class CacheFilter:
         if reason is not None:
             return await self._bypass(call, next, reason, t0)
         keys = Keys.of(ctx.tenant, call.op, call.body)
+        fresh_after = time.time() - max_age if max_age is not None else 0.0
+        reply = None
         if not no_cache:
             try:
-                hit = await self._lookup(call, keys, max_age)
+                entry = await self.store.get(keys.partition, keys.exact)
+                if entry is not None and entry.created >= fresh_after:
+                    reply = self._hit(call, entry, None)
+                elif self.embedder is not None and self.index.size(keys.partition):
+                    self._spent(t0)
+                    reply = await self._semantic_or_next(call, next, keys, fresh_after)
+                    t0 = time.thread_time()
+            except GatewayError:
+                raise
             except Exception as exc:  # the store failed: never the request
                 self.store_errors += 1
                 log.debug("cache lookup failed: %r", exc)
                 return await self._bypass(call, next, "store_error", t0)
-            if hit is not None:
-                entry, score = hit
-                reply = self._hit(call, entry, score)
-                self._spent(t0)
-                return reply
-        self._spent(t0)
-        reply = await next(call)
-        t1 = time.thread_time()
+        if reply is not None and ctx.cache.startswith("hit"):
+            self._spent(t0)
+            return reply
+        if reply is None:
+            self._spent(t0)
+            reply = await next(call)
+            t0 = time.thread_time()
         ctx.cache = "miss"
         self.counts["miss"] += 1
         self._count("miss")
         reply.headers.append((HEADER, b"miss"))
         if not no_store and reply.status == 200:
             self._fill(call, keys, reply)
-        self._spent(t1)
+        self._spent(t0)
         return reply
 
     async def _bypass(self, call: Call, next: Handler, reason: str, t0: float) -> Reply:
@@ -184,13 +193,48 @@ class CacheFilter:
         reply.headers.append((HEADER, b"bypass"))
         return reply
 
-    async def _lookup(self, call: Call, keys: Keys, max_age: float | None) -> tuple[Entry, float | None] | None:
-        fresh_after = time.time() - max_age if max_age is not None else 0.0
-        entry = await self.store.get(keys.partition, keys.exact)
-        if entry is not None and entry.created >= fresh_after:
-            return entry, None
-        if self.embedder is None or not self.index.size(keys.partition):
-            return None  # nothing to compare with: no embedding
+    async def _semantic_or_next(self, call: Call, next: Handler, keys: Keys, fresh_after: float) -> Reply:
+        """The semantic lookup; with ``semantic.parallel`` the upstream request starts at the same time.
+
+        Embedding takes milliseconds; a model's first token usually takes longer. Racing them keeps a
+        miss as fast as without the cache; a hit closes the upstream reply (vLLM aborts the sequence:
+        part of one prefill is the price). A complete non-streamed answer that arrives first wins.
+        Returns the hit's reply, or the upstream's (the caller marks it a miss).
+        """
+        if not self.cfg.semantic.parallel:
+            hit = await self._semantic(call, keys, fresh_after)
+            return self._hit(call, *hit) if hit is not None else await next(call)
+        look = asyncio.ensure_future(self._semantic(call, keys, fresh_after))
+        up = asyncio.ensure_future(next(call))
+        try:
+            await asyncio.wait((look, up), return_when=asyncio.FIRST_COMPLETED)
+            if up.done() and not look.done() and up.exception() is None and not up.result().streaming:
+                look.cancel()
+                return up.result()
+            hit = None
+            try:
+                hit = await look
+            except Exception as exc:  # the lookup failed: the upstream answers
+                self.store_errors += 1
+                log.debug("semantic lookup failed: %r", exc)
+            if hit is None:
+                return await up
+            up.cancel()
+            try:
+                reply = await up
+            except BaseException:  # cancelled before it answered, or it failed: nothing to close
+                pass
+            else:
+                await reply.aclose()
+            call.ctx.replica = call.ctx.pool = None
+            call.ctx.attempts = 0
+            return self._hit(call, *hit)
+        finally:
+            for t in (look, up):
+                if not t.done():
+                    t.cancel()
+
+    async def _semantic(self, call: Call, keys: Keys, fresh_after: float) -> tuple[Entry, float] | None:
         t = time.perf_counter()
         vec = await self.embedder.embed_call(call)
         self.embed_s += time.perf_counter() - t
