@@ -95,6 +95,11 @@ class Embedder:
                 out.append(torch.nn.functional.normalize(pooled, dim=-1).numpy())
         return np.concatenate(out).astype(np.float32, copy=False) if out else np.empty((0, DIM), np.float32)
 
+    @property
+    def backlog(self) -> int:
+        """Texts waiting to be embedded (callers may skip optional work when it is long)."""
+        return len(self._pending)
+
     # -- async API (the request path) --
     async def embed(self, text: str) -> np.ndarray:
         loop = asyncio.get_running_loop()

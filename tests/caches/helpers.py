@@ -39,6 +39,7 @@ class FakeUpstream:
         self.delay_s = delay_s  # time to the response (headers for a stream, the whole answer for JSON)
         self.calls = 0
         self.closed = 0  # replies closed (a stream's close is what cancels the upstream request)
+        self.first_chunk_delay_s = 0.0  # a stream's time to its first chunk (the prefill)
 
     async def __call__(self, call: Call) -> Reply:
         self.calls += 1
@@ -58,6 +59,8 @@ class FakeUpstream:
             def ev(choices, **extra):
                 return b"data: " + orjson.dumps({"id": "chatcmpl-up", "object": "chat.completion.chunk", "created": 1,
                                                  "model": MODEL, "choices": choices, **extra}) + b"\n\n"
+            if self.first_chunk_delay_s:
+                await asyncio.sleep(self.first_chunk_delay_s)
             yield ev([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
             for word in self.answer.split(" "):
                 yield ev([{"index": 0, "delta": {"content": word + " "}, "finish_reason": None}])

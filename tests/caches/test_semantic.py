@@ -11,7 +11,7 @@ from usefulwork.caches.config import CacheCfg, SemanticCfg
 from usefulwork.caches.filter import CacheFilter
 from usefulwork.config import ConfigError, from_mapping
 
-from .helpers import FakeUpstream, drive, make_call
+from .helpers import FakeUpstream, drive, make_call, stream_text
 
 
 async def ask(f, up, call):
@@ -21,7 +21,7 @@ async def ask(f, up, call):
 
 
 async def test_paraphrase_hits_and_negation_is_refused():
-    f, up = CacheFilter(cfg=CacheCfg()), FakeUpstream("Paris.", delay_s=0.3)
+    f, up = CacheFilter(cfg=CacheCfg()), FakeUpstream("Paris.", delay_s=2.0)
     await ask(f, up, make_call("What is the capital of France?"))
     r, body = await ask(f, up, make_call("Which city is the capital of France?"))
     cache = r.header(b"x-usefulwork-cache").decode()
@@ -40,8 +40,13 @@ async def test_upstream_and_semantic_lookup_race():
     # a complete JSON answer that arrives before the embedding wins: a miss, no wait for the lookup
     r, _ = await ask(f, up, make_call("Which city is the capital of France?", headers=[(b"cache-control", b"no-store")]))
     assert r.header(b"x-usefulwork-cache") == b"miss"
-    # a stream has only begun when its headers arrive: the semantic hit wins and closes it
+    # a stream whose first chunk comes before the lookup's answer wins too: a miss costs no wait
+    r, body = await ask(f, up, make_call("Which city is the capital of France?", stream=True,
+                                         headers=[(b"cache-control", b"no-store")]))
+    assert r.header(b"x-usefulwork-cache") == b"miss" and stream_text(body) == "Paris. "
+    # a stream whose first token is slow (a long prefill) loses to the lookup, which closes it
     closed = up.closed
+    up.first_chunk_delay_s = 1.0
     c = make_call("Which city is the capital of France?", stream=True)
     r, body = await ask(f, up, c)
     assert r.header(b"x-usefulwork-cache").startswith(b"hit-semantic") and b"Paris." in body
@@ -63,7 +68,7 @@ async def test_requests_that_cannot_hit_skip_the_embedding():
 
 
 async def test_semantic_partitions_by_tenant_and_system_prompt():
-    f, up = CacheFilter(cfg=CacheCfg()), FakeUpstream(delay_s=0.3)
+    f, up = CacheFilter(cfg=CacheCfg()), FakeUpstream(delay_s=2.0)
     await ask(f, up, make_call("How do I reverse a list in Python?", tenant="A", system="be brief"))
     probe = "How can I reverse a Python list?"
     for kw in ({"tenant": "B", "system": "be brief"}, {"tenant": "A", "system": "be verbose"}, {"tenant": "A"}):
@@ -74,7 +79,7 @@ async def test_semantic_partitions_by_tenant_and_system_prompt():
 
 
 async def test_feedback_on_a_bad_hit_raises_that_entry_threshold():
-    f, up = CacheFilter(cfg=CacheCfg()), FakeUpstream(delay_s=0.3)
+    f, up = CacheFilter(cfg=CacheCfg()), FakeUpstream(delay_s=2.0)
     await ask(f, up, make_call("What is the capital of France?", tenant="default"))
     c = make_call("Which city is the capital of France?", tenant="default", headers=[(b"cache-control", b"no-store")])
     r, _ = await ask(f, up, c)

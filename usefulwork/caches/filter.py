@@ -81,6 +81,22 @@ def parse_cache_control(raw: bytes | None) -> tuple[bool, bool, float | None]:
     return no_cache, no_store, max_age
 
 
+def _with_first(reply: Reply, first: asyncio.Future) -> Reply:
+    """The reply with its stream's first chunk (already being read by ``first``) put back in front."""
+    rest = reply.chunks
+
+    async def chunks():
+        try:
+            yield await first
+        except StopAsyncIteration:
+            return
+        async for chunk in rest:
+            yield chunk
+
+    reply.chunks = chunks()
+    return reply
+
+
 def _saved_usd(call: Call, usage: dict[str, Any] | None) -> float:
     """What the cached answer would have cost again at the pool's price sheet (0 without one)."""
     if not usage or call.pool is None:
@@ -118,6 +134,7 @@ class CacheFilter:
         self.embed_s = 0.0  # wall time of embeddings this filter waited for
         self.cpu_s = 0.0  # event-loop CPU spent in the filter (keys, lookups, guard, hit rendering)
         self.embeddings = 0
+        self.semantic_skipped = 0  # lookups or vectors skipped because the embedder was backlogged
         self._instruments(services.meter if services is not None else None)
         self.routes = [Route("/usefulwork/cache/purge", self._purge_route, methods=["POST"]),
                        Route("/usefulwork/cache/feedback", self._feedback_route, methods=["POST"])]
@@ -157,7 +174,7 @@ class CacheFilter:
                 entry = await self.store.get(keys.partition, keys.exact)
                 if entry is not None and entry.created >= fresh_after:
                     reply = self._hit(call, entry, None)
-                elif self.embedder is not None and self.index.size(keys.partition):
+                elif self.embedder is not None and self.index.size(keys.partition) and not self._embedder_busy():
                     self._spent(t0)
                     reply = await self._semantic_or_next(call, next, keys, fresh_after)
                     t0 = time.thread_time()
@@ -194,23 +211,33 @@ class CacheFilter:
         return reply
 
     async def _semantic_or_next(self, call: Call, next: Handler, keys: Keys, fresh_after: float) -> Reply:
-        """The semantic lookup; with ``semantic.parallel`` the upstream request starts at the same time.
+        """The semantic lookup; with ``semantic.parallel`` it races the upstream's answer.
 
-        Embedding takes milliseconds; a model's first token usually takes longer. Racing them keeps a
-        miss as fast as without the cache; a hit closes the upstream reply (vLLM aborts the sequence:
-        part of one prefill is the price). A complete non-streamed answer that arrives first wins.
-        Returns the hit's reply, or the upstream's (the caller marks it a miss).
+        The upstream request starts at once. A semantic hit is served only if it is found before the
+        upstream's first token (a stream's first chunk, or a whole JSON answer): a miss then costs no
+        latency, and a hit is only taken when it is faster. The upstream reply a hit beats is closed
+        (vLLM aborts the sequence: part of one prefill is the price). Returns the hit's reply, or the
+        upstream's (the caller marks it a miss).
         """
         if not self.cfg.semantic.parallel:
             hit = await self._semantic(call, keys, fresh_after)
             return self._hit(call, *hit) if hit is not None else await next(call)
         look = asyncio.ensure_future(self._semantic(call, keys, fresh_after))
         up = asyncio.ensure_future(next(call))
+        first: asyncio.Future | None = None
         try:
             await asyncio.wait((look, up), return_when=asyncio.FIRST_COMPLETED)
-            if up.done() and not look.done() and up.exception() is None and not up.result().streaming:
-                look.cancel()
-                return up.result()
+            if up.done() and (up.exception() is not None or not up.result().streaming):
+                if not look.done():  # a whole answer (or an error) came first
+                    look.cancel()
+                    return await up
+            elif up.done():  # a stream's headers: race its first chunk against the lookup
+                reply = up.result()
+                first = asyncio.ensure_future(reply.chunks.__anext__())
+                await asyncio.wait((look, first), return_when=asyncio.FIRST_COMPLETED)
+                if first.done() and not look.done():
+                    look.cancel()
+                    return _with_first(reply, first)
             hit = None
             try:
                 hit = await look
@@ -218,7 +245,10 @@ class CacheFilter:
                 self.store_errors += 1
                 log.debug("semantic lookup failed: %r", exc)
             if hit is None:
-                return await up
+                reply = await up
+                return _with_first(reply, first) if first is not None else reply
+            if first is not None:
+                first.cancel()
             up.cancel()
             try:
                 reply = await up
@@ -327,7 +357,9 @@ class CacheFilter:
         try:
             if self.embedder is not None:
                 vec = call.memo.get("embedding")
-                if vec is None:
+                if vec is None and self._embedder_busy():
+                    pass  # filed for exact hits only: embedding it now would delay lookups that can hit
+                elif vec is None:
                     t = time.perf_counter()
                     vec = await self.embedder.embed(text)
                     self.embed_s += time.perf_counter() - t
@@ -344,9 +376,18 @@ class CacheFilter:
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
+    def _embedder_busy(self) -> bool:
+        """The embedder has a full batch waiting: skip optional embeddings rather than queue behind it."""
+        if self.embedder.backlog >= self.embedder.max_batch:
+            self.semantic_skipped += 1
+            return True
+        return False
+
     # -- lifecycle and figures --
     async def start(self) -> None:
         await self.store.start()
+        if self.embedder is not None:  # load the model now, not on the first request that needs it
+            await asyncio.to_thread(self.embedder.load)
 
     async def stop(self) -> None:
         await self.drain()
@@ -362,6 +403,7 @@ class CacheFilter:
             "cpu_s": round(self.cpu_s, 4),
             "embed_s": round(self.embed_s, 4),
             "embeddings": self.embeddings,
+            "semantic_skipped_busy": self.semantic_skipped,
             "bypass_reasons": dict(self.bypass_reasons),
             "guard_refusals": dict(self.guard_refusals),
             "store_errors": self.store_errors,
