@@ -19,6 +19,8 @@ from typing import Any, Mapping
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from usefulwork.caches.config import CacheCfg
+
 ENV_PREFIX = "USEFULWORK__"
 
 
@@ -179,6 +181,7 @@ class Config(_Strict):
     ledger: LedgerCfg = LedgerCfg()
     cost: CostCfg = CostCfg()
     telemetry: TelemetryCfg = TelemetryCfg()
+    cache: CacheCfg = Field(CacheCfg(), description="Exact and semantic response caches (the `cache` filter).")
     filters: list[str] = Field(default_factory=list, description="Request filters, in the order they run "
                                "(names: usefulwork/gateway/filters/__init__.py; docs/architecture.md).")
     source: str = Field("<defaults>", description="Where this config came from (set by the loader).")

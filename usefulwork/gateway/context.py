@@ -34,6 +34,7 @@ class RequestContext:
 
     # cache
     cache: str = "miss"  # miss | hit-exact | hit-semantic | bypass
+    saved_usd: float = 0.0  # a cache hit: price-sheet cost of the stored answer it served again
 
     # usage
     prompt_tokens: int = 0

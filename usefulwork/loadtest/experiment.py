@@ -96,6 +96,7 @@ class Profile:
     sim_profile: str
     sim_overrides: dict[str, Any]
     time_scale: float | None = None  # sim only: overrides backend.time_scale for this profile
+    gateway: dict[str, Any] = field(default_factory=dict)  # merged into the gateway's config (e.g. filters)
 
 
 @dataclass
@@ -163,7 +164,7 @@ def load_experiment(name_or_path: str) -> Experiment:
         profiles.append(Profile(name=pname, description=p.get("description", ""),
                                 vllm_args=[str(a) for a in p.get("vllm_args", [])],
                                 sim_profile=p.get("sim_profile", pname), sim_overrides=p.get("sim_overrides") or {},
-                                time_scale=p.get("time_scale")))
+                                time_scale=p.get("time_scale"), gateway=p.get("gateway") or {}))
     if not profiles:
         raise ExperimentError(f"{src}: no profiles")
     cases = raw.get("cases") or {}
@@ -253,7 +254,7 @@ def gateway_config(exp: Experiment, profile: Profile, backend_url: str, port: in
                    ledger_path: Path | None = None) -> dict[str, Any]:
     s = time_scale(exp, profile)
     gpu = exp.backend.get("gpu") or {}
-    return {
+    return _deep_merge({
         "listen": {"host": "127.0.0.1", "port": port},
         # The per-request ledger beside the results: joins with them on x-request-id (client_request_id).
         "ledger": {"jsonl_path": str(ledger_path) if ledger_path else None},
@@ -267,7 +268,7 @@ def gateway_config(exp: Experiment, profile: Profile, backend_url: str, port: in
             "gpu": {"type": str(gpu.get("type", "gpu")), "count": int(gpu.get("count", 1)),
                     "usd_per_hour": float(gpu.get("usd_per_hour", 0.0)) * s},
         }],
-    }
+    }, profile.gateway)
 
 
 def free_port() -> int:
@@ -429,6 +430,14 @@ def run_cell(exp: Experiment, profile: Profile, shape: dict[str, Any], case: Cas
     return result
 
 
+def _cache_line(result: dict[str, Any]) -> str:
+    c = ((result.get("gateway") or {}).get("figures") or {}).get("cache")
+    if not c or c["hit_share"] is None:
+        return ""
+    return (f", cache hits {c['hit_share']:.1%}, cache CPU {c['cpu_ms_per_request']:.3f} ms/request "
+            f"(+ embedding {c['embed_ms_per_request']:.2f} ms/request, off the event loop)")
+
+
 def ratios(exp: Experiment, cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
     base = exp.compare.get("baseline", "naive-single")
     cand = exp.compare.get("candidate", "optimized-batched")
@@ -523,8 +532,8 @@ def run_experiment(exp: Experiment, opts: Options, console: Console) -> dict[str
                     r = result
                     console.print(f"  {shape['name']} {case.name} / {profile.name}: {r['completed']} ok / "
                                   f"{r['dropped']} dropped, p95 {r['p95_e2el_ms'] / 1000:.2f}s, "
-                                  f"$/1K ok {r['usd_per_1k_successful']}, SLO {'pass' if r['slo_passed'] else 'miss'}",
-                                  highlight=False)
+                                  f"$/1K ok {r['usd_per_1k_successful']}, SLO {'pass' if r['slo_passed'] else 'miss'}"
+                                  + _cache_line(r), highlight=False)
                     write_json(out_dir / "results.json", data)  # partial results survive a crash
             finally:
                 t_stop = time.monotonic()

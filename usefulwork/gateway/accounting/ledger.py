@@ -84,6 +84,7 @@ def to_record(ctx: RequestContext, work: float) -> dict:
         "route_reason": ctx.route_reason,
         "attempts": ctx.attempts,
         "cache": ctx.cache,
+        "saved_usd": ctx.saved_usd,
         "prompt_tokens": ctx.prompt_tokens,
         "completion_tokens": ctx.completion_tokens,
         "cached_tokens": ctx.cached_tokens,
@@ -210,7 +211,8 @@ class Ledger:
         while self._queue:
             batch.append(self._queue.popleft())
         if batch:
-            need = [c for c in batch if c.usage_source == "none" and (c.replica is not None or c.streamed_events)]
+            need = [c for c in batch if c.usage_source == "none" and not c.cache.startswith("hit")
+                    and (c.replica is not None or c.streamed_events)]
             if need:
                 try:
                     await asyncio.to_thread(self._estimate, need)
