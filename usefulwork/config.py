@@ -19,6 +19,8 @@ from typing import Any, Mapping
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from usefulwork.routers.config import RoutingCfg
+
 ENV_PREFIX = "USEFULWORK__"
 
 
@@ -158,6 +160,7 @@ class Config(_Strict):
     telemetry: TelemetryCfg = TelemetryCfg()
     filters: list[str] = Field(default_factory=list, description="Request filters, in the order they run "
                                "(names: usefulwork/gateway/filters/__init__.py; docs/architecture.md).")
+    routing: RoutingCfg = Field(RoutingCfg(), description="Virtual models (cascades between pools) and replica pickers (docs/routing.md).")
     source: str = Field("<defaults>", description="Where this config came from (set by the loader).")
 
     @field_validator("filters")
@@ -181,6 +184,7 @@ class Config(_Strict):
                 if m in seen_models:
                     raise ValueError(f"model {m!r} is served by two pools ({seen_models[m]!r} and {pool.name!r})")
                 seen_models[m] = pool.name
+        self.routing.check_pools(self)
         return self
 
     def pool_for_model(self, model: str) -> Pool | None:
