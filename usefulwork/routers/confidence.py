@@ -33,10 +33,11 @@ def token_logprobs(choice: dict[str, Any]) -> list[float]:
 
 
 def strip_logprobs(obj: dict[str, Any]) -> None:
-    """Remove every choice's logprobs (the gate asked for them; the client did not)."""
+    """Blank every choice's logprobs (the gate asked for them; the client did not): ``null``, as vLLM
+    answers a request without logprobs."""
     for ch in obj.get("choices") or ():
-        if isinstance(ch, dict):
-            ch.pop("logprobs", None)
+        if isinstance(ch, dict) and "logprobs" in ch:
+            ch["logprobs"] = None
 
 
 def client_asked_logprobs(body: dict[str, Any]) -> bool:
