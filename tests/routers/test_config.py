@@ -36,7 +36,7 @@ def test_a_valid_cascade_loads():
     ({"virtual_models": [vm(classifier={"threshold": 1.5})]}, r"classifier\.threshold"),
     ({"pickers": {"small": {"kind": "random"}}}, r"routing\.pickers\.small.*unknown picker 'random'"),
     ({"pickers": {"nope": {"kind": "prefix"}}}, r"routing\.pickers\.nope: no pool named 'nope'"),
-    ({"pickers": {"small": {"hot_share": 0}}}, r"routing\.pickers\.small\.hot_share"),
+    ({"pickers": {"small": {"balance_rel": 0.5}}}, r"routing\.pickers\.small\.balance_rel"),
 ])
 def test_bad_routing_config_names_the_field(routing, message):
     with pytest.raises(config.ConfigError, match=message):

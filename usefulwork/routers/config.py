@@ -90,15 +90,16 @@ class PickerCfg(_Strict):
     block_tokens: int = Field(16, ge=1, le=4096, description="prefix: tokens per hashed block (vLLM's block size).")
     chars_per_token: float = Field(4.0, gt=0, le=64, description="prefix: characters per token when the pool's "
                                    "tokenizer is not available (about 4 for English BPE vocabularies).")
-    tokenizer: str | None = Field(None, description="prefix: tokenizer folder or tokenizer.json (None: characters).")
+    tokenizer: str | None = Field(None, description="prefix: the pool's model folder (tokenizer.json and chat "
+                                  "template) to hash tokens as vLLM does; None: characters.")
     index_blocks: int = Field(50_000, ge=1, description="prefix: blocks remembered per replica (LRU).")
     cache_weight: float = Field(1.0, ge=0, le=1000, description="prefix: score per expected cached prefix share.")
     load_weight: float = Field(0.5, ge=0, le=1000, description="prefix: score cost per outstanding request "
                                "relative to the pool's mean.")
     kv_weight: float = Field(0.5, ge=0, le=1000, description="prefix: score cost per unit of KV-cache usage.")
-    hot_share: float = Field(0.5, gt=0, le=1, description="prefix: a replica already running more than this "
-                             "share of the pool's requests for one prefix (with 2+ replicas) loses its "
-                             "prefix bonus for it (the hot-prefix spiral guard).")
+    balance_rel: float = Field(1.3, ge=1, le=100, description="prefix: a replica whose load exceeds balance_rel "
+                               "x the pool's least load + balance_abs gets no prefix bonus (the hot-prefix spiral guard).")
+    balance_abs: float = Field(2.0, ge=0, le=10_000, description="prefix: see balance_rel (outstanding requests).")
     min_prefix_blocks: int = Field(1, ge=1, description="prefix: shorter predicted matches count as none.")
     session_header: str | None = Field(None, description="prefix: request header whose value pins a session "
                                        "to the replica it was last sent to (while that replica is a candidate).")
