@@ -7,7 +7,8 @@ written for this project (capitals, arithmetic, common facts; an answer is right
 one of the accepted strings). For each answer it takes the mean and the minimum token logprob, as
 the confidence gate does, and reports:
 
-- AUROC of each confidence signal for "the answer is right" (0.5 = no better than chance);
+- AUROC of each confidence signal for "the answer is right" (0.5 = no better than chance), over
+  all questions and within each kind;
 - at the same escalation rate (escalate the least confident X% of answers), how many wrong answers
   the gate catches versus random escalation (which catches X% of the wrong ones on average).
 """
@@ -57,17 +58,18 @@ FACTS = [
 ]
 
 
-def questions(seed: int = 0) -> list[tuple[str, list[str]]]:
+def questions(seed: int = 0) -> list[tuple[str, str, list[str]]]:
+    """(kind, question, accepted answers)."""
     rng = random.Random(seed)
-    out = [(f"What is the capital of {c}? Answer with the city name only.", [a.lower(), a.lower().replace("i", "í")])
-           for c, a in CAPITALS.items()]
+    out = [("capital", f"What is the capital of {c}? Answer with the city name only.",
+            [a.lower(), a.lower().replace("i", "í")]) for c, a in CAPITALS.items()]
     for _ in range(20):
         a, b = rng.randint(10, 99), rng.randint(10, 99)
-        out.append((f"What is {a} + {b}? Answer with the number only.", [str(a + b)]))
+        out.append(("arithmetic", f"What is {a} + {b}? Answer with the number only.", [str(a + b)]))
     for _ in range(20):
         a, b = rng.randint(3, 9), rng.randint(11, 29)
-        out.append((f"What is {a} times {b}? Answer with the number only.", [str(a * b)]))
-    out += [(q + " Answer briefly.", ans) for q, ans in FACTS]
+        out.append(("arithmetic", f"What is {a} times {b}? Answer with the number only.", [str(a * b)]))
+    out += [("fact", q + " Answer briefly.", ans) for q, ans in FACTS]
     return out
 
 
@@ -92,13 +94,13 @@ async def ask(client: httpx.AsyncClient, url: str, model: str, q: str, max_token
 async def run(url: str, model: str, max_tokens: int, concurrency: int) -> list[dict]:
     sem = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=300) as client:
-        async def one(q: str, accepted: list[str]) -> dict:
+        async def one(kind: str, q: str, accepted: list[str]) -> dict:
             async with sem:
                 text, lps = await ask(client, url, model, q, max_tokens)
             low = text.lower()
-            return {"q": q, "answer": text, "right": any(a in low for a in accepted),
+            return {"kind": kind, "q": q, "answer": text, "right": any(a in low for a in accepted),
                     "mean_logprob": float(np.mean(lps)) if lps else -99.0, "min_logprob": float(min(lps)) if lps else -99.0}
-        return await asyncio.gather(*(one(q, a) for q, a in questions()))
+        return await asyncio.gather(*(one(k, q, a) for k, q, a in questions()))
 
 
 def report(rows: list[dict], rates: tuple[float, ...] = (0.2, 0.3, 0.5)) -> dict:
@@ -119,6 +121,10 @@ def report(rows: list[dict], rates: tuple[float, ...] = (0.2, 0.3, 0.5)) -> dict
                                              "wrong_caught_random": round(rand, 1),
                                              "gain": round(gate / rand, 2) if rand else None}
         out[f"escalation_{sig}"] = caught
+        # within each kind too: a signal that only told arithmetic from capitals would not be a gate
+        kinds = sorted({r["kind"] for r in rows})
+        k_arr = np.array([r["kind"] for r in rows])
+        out[f"auroc_{sig}_by_kind"] = {k: round(auroc(s[k_arr == k], right[k_arr == k]), 4) for k in kinds}
     return out
 
 

@@ -91,7 +91,7 @@ class PickerCfg(_Strict):
     chars_per_token: float = Field(4.0, gt=0, le=64, description="prefix: characters per token when the pool's "
                                    "tokenizer is not available (about 4 for English BPE vocabularies).")
     tokenizer: str | None = Field(None, description="prefix: the pool's model folder (tokenizer.json and chat "
-                                  "template) to hash tokens as vLLM does; None: characters.")
+                                  "template) to hash tokens as vLLM does; \"sim\": the simulator's tokenizer; None: characters.")
     index_blocks: int = Field(50_000, ge=1, description="prefix: blocks remembered per replica (LRU).")
     cache_weight: float = Field(1.0, ge=0, le=1000, description="prefix: score per expected cached prefix share.")
     load_weight: float = Field(0.5, ge=0, le=1000, description="prefix: score cost per outstanding request "

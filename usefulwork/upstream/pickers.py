@@ -344,10 +344,11 @@ class _Instruments:
 
 
 def load_tokenizer(path: str | None) -> Any:
+    """The pool's tokenizer: a model folder, "sim" (the simulator's own), or None (characters)."""
     if not path:
         return None
     from usefulwork.backends.sim.tokens import load_tokenizer as load  # noqa: PLC0415 (tokenizers + template)
-    return load(path)
+    return load(None if path == "sim" else path)
 
 
 def build_picker(cfg: PickerCfg, meter: Any = None) -> Picker:
