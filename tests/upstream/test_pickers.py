@@ -120,6 +120,21 @@ def test_feedback_checks_predictions_exports_the_metric_and_decays_stale_entries
     assert p.stats()["accuracy"] == 0.5
 
 
+def test_characters_mode_learns_tokens_per_block_from_cached_tokens():
+    p = PrefixPicker(PickerCfg(kind="prefix", block_tokens=16, chars_per_token=4.0))
+    rs = replicas(1)
+    p.pick(call("warm"), rs)
+    for i in range(40):  # the server says each 64-character block held 10 tokens, not 16
+        c = call(f"q{i}")
+        p.pick(c, rs)
+        blocks = c.memo["prefix_pick"][1][rs[0].url]
+        c.ctx.usage_source, c.ctx.cached_tokens = "backend", blocks * 10
+        p.feedback(c, rs[0])
+    assert p.tokens_per_block == pytest.approx(10, abs=0.2)
+    assert p.over <= 6 and p.accuracy > 0.8  # early checks miss until the ratio is learned
+    assert p.index[rs[0].url].capacity == p.cfg.index_blocks  # hits never shrink the index
+
+
 def test_build_pickers_per_pool():
     cfg = config.from_mapping({
         "pools": [{"name": "a", "models": ["ma"], "replicas": ["http://127.0.0.1:1"]},
@@ -140,3 +155,33 @@ def test_token_mode_hashes_like_the_server(tmp_path):
     ids = tok.encode_chat(c.body["messages"])
     assert len(p.hashes(c)) == len(ids) // 16
     assert p.hashes(c) == p.hasher.token_hashes(ids)
+
+
+@pytest.mark.vllm
+def test_token_mode_prediction_matches_real_vllm_cached_tokens(vllm_server):
+    """The self-check against real vLLM (CPU build, block size from its cache_config_info)."""
+    import uuid
+
+    import httpx
+
+    from usefulwork.backends.model import default_model_dir
+    from usefulwork.upstream.pickers import load_tokenizer
+
+    info = httpx.get(f"{vllm_server.base_url}/metrics", timeout=10).text
+    block = int(info.split('block_size="', 1)[1].split('"', 1)[0])
+    p = PrefixPicker(PickerCfg(kind="prefix", block_tokens=block), tokenizer=load_tokenizer(str(default_model_dir())))
+    rs = [Replica(vllm_server.base_url, "p", healthy=True)]
+    system = f"Session {uuid.uuid4()}. " + " ".join(f"Rule {i}: answer politely." for i in range(80))
+    checked = []
+    for q in ("What is rule 3?", "What is rule 7?"):
+        c = call(q, system=system)
+        c.body["max_tokens"] = 2
+        r = p.pick(c, rs)[0]
+        usage = httpx.post(f"{r.url}/v1/chat/completions", json={**c.body, "model": vllm_server.model},
+                           timeout=120).json()["usage"]
+        c.ctx.usage_source, c.ctx.cached_tokens = "backend", usage["prompt_tokens_details"]["cached_tokens"]
+        assert len(p.hashes(c)) == usage["prompt_tokens"] // block  # the gateway tokenizes as vLLM does
+        p.feedback(c, r)
+        checked.append((c.ctx.predicted_cached_tokens, c.ctx.cached_tokens))
+    assert checked[0] == (0, 0) and checked[1][0] >= block and checked[1][0] == checked[1][1], checked
+    assert p.accuracy == 1.0

@@ -209,7 +209,9 @@ class PrefixPicker:
         self.under = 0
         self.predicted_tokens = 0
         self.actual_tokens = 0
-        self.guarded = 0
+        # tokens one hashed block stands for: block_tokens with a tokenizer; learned from the
+        # server's cached_tokens in characters mode (the chars_per_token ratio is only a start)
+        self.tokens_per_block = float(cfg.block_tokens)
         self._otel = _Instruments(meter, self.name) if meter is not None else None
 
     def _index(self, url: str) -> BlockIndex:
@@ -254,8 +256,8 @@ class PrefixPicker:
             ordered = self._affinity(call, ordered)
         first = ordered[0]
         predicted = next(m for _, m, r in scored if r is first)
-        call.memo[PICK_MEMO] = (first.url, predicted * self.cfg.block_tokens, {r.url: m for _, m, r in scored})
-        call.ctx.predicted_cached_tokens = predicted * self.cfg.block_tokens
+        call.memo[PICK_MEMO] = (first.url, {r.url: m for _, m, r in scored})
+        call.ctx.predicted_cached_tokens = round(predicted * self.tokens_per_block)
         if self.learns_from_picks and hashes:
             self._index(first.url).touch(hashes)
         return ordered
@@ -279,18 +281,25 @@ class PrefixPicker:
 
     # -- self-check --
     def feedback(self, call: Call, replica: Replica) -> None:
-        """Compare the prediction with the cached tokens vLLM reported; adapt the replica's index."""
+        """Compare the prediction with the cached tokens vLLM reported; adapt the replica's index.
+
+        Accurate: within one block or 25%. A clear miss (under half the predicted tokens were
+        cached) means the replica evicted what the index lists: its index shrinks. In characters
+        mode, hits also teach how many tokens a block of characters stands for.
+        """
         memo = call.memo.get(PICK_MEMO)
         if memo is None or call.ctx.usage_source != "backend":
             return
-        chosen, _, per_replica = memo
+        chosen, per_replica = memo
         hashes = call.memo.get(HASHES_MEMO) or []
-        bt = self.cfg.block_tokens
-        predicted = per_replica.get(replica.url, 0) * bt
+        blocks = per_replica.get(replica.url, 0)
         if replica.url != chosen and self.learns_from_picks and hashes:  # the forwarder fell back
             self._index(replica.url).touch(hashes)
         actual = call.ctx.cached_tokens
-        tolerance = max(bt, 0.25 * actual)
+        predicted = round(blocks * self.tokens_per_block)
+        if self.hasher.tokenizer is None and blocks and actual:
+            self.tokens_per_block += 0.2 * (actual / blocks - self.tokens_per_block)
+        tolerance = max(self.cfg.block_tokens, 0.25 * actual)
         self.checked += 1
         self.predicted_tokens += predicted
         self.actual_tokens += actual
@@ -298,7 +307,7 @@ class PrefixPicker:
             outcome = "over"
             self.over += 1
             idx = self.index.get(replica.url)
-            if idx is not None and self.learns_from_picks:
+            if idx is not None and self.learns_from_picks and actual < 0.5 * predicted:
                 idx.shrink(0.9)
         elif actual > predicted + tolerance:
             outcome = "under"
@@ -320,6 +329,7 @@ class PrefixPicker:
 
     def stats(self) -> dict[str, Any]:
         return {"kind": self.name, "checked": self.checked, "accuracy": self.accuracy, "over": self.over,
+                "tokens_per_block": round(self.tokens_per_block, 2),
                 "under": self.under, "predicted_tokens": self.predicted_tokens, "cached_tokens": self.actual_tokens,
                 "index_blocks": {u: len(i.blocks) for u, i in self.index.items()},
                 "index_capacity": {u: int(i.capacity) for u, i in self.index.items()}}
