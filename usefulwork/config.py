@@ -43,6 +43,7 @@ class Limits(_Strict):
     """Request limits."""
 
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0, description="Larger request bodies get 413.")
+    body_timeout_s: float = Field(30.0, gt=0, description="A request body still incomplete after this long gets 408.")
 
 
 class Timeouts(_Strict):
@@ -307,5 +308,18 @@ def reference_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_reference(doc: Path) -> None:
+    """Replace the generated table between the reference markers of docs/configuration.md."""
+    text = doc.read_text()
+    head, rest = text.split("<!-- reference:start -->\n", 1)
+    tail = rest.split("<!-- reference:end -->", 1)[1]
+    doc.write_text(f"{head}<!-- reference:start -->\n{reference_markdown()}<!-- reference:end -->{tail}")
+
+
 if __name__ == "__main__":
-    print(reference_markdown())
+    import sys
+
+    if sys.argv[1:2] == ["--write"]:  # python -m usefulwork.config --write docs/configuration.md
+        write_reference(Path(sys.argv[2]))
+    else:
+        print(reference_markdown())

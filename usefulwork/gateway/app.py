@@ -1,8 +1,10 @@
-"""The Starlette application: routes, lifespan (HTTP client, fleet prober, accounting), metrics."""
+"""The Starlette application: the request path's assembly (filters from config, the chain, the forwarder,
+one endpoint per OpenAI operation), the other routes, and the lifespan (fleet prober, accounting, filters)."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from typing import AsyncIterator
 
@@ -14,13 +16,19 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from usefulwork.upstream.fleet import Fleet
 from usefulwork.config import Config
 from usefulwork.gateway import accounting
 from usefulwork.gateway.errors import error_body
-from usefulwork.gateway.proxy import Proxy
+from usefulwork.gateway.filters import build_filters
+from usefulwork.gateway.pipeline import Services, chain
+from usefulwork.gateway.proxy import OPERATIONS, Endpoint, Intake
+from usefulwork.gateway.tenants import Tenants
+from usefulwork.upstream.fleet import Fleet
+from usefulwork.upstream.forwarder import Forwarder
+from usefulwork.upstream.pickers import build_pickers
 
 JSON = "application/json"
+log = logging.getLogger("usefulwork.app")
 
 
 def make_client(cfg: Config) -> httpx.AsyncClient:
@@ -79,14 +87,22 @@ def build_app(cfg: Config, client: httpx.AsyncClient | None = None) -> HotPaths:
     client = client or make_client(cfg)
     fleet = Fleet(cfg, client)
     bundle = accounting.build(cfg, fleet)
-    proxy = Proxy(cfg, fleet, bundle.accountant)
+    services = Services(cfg=cfg, fleet=fleet, accountant=bundle.accountant,
+                        meter=bundle.telemetry.meter if bundle.telemetry is not None else None)
+    filters = build_filters(cfg.filters, services)
+    handler = chain(filters, Forwarder(fleet, build_pickers(cfg, fleet)))
+    intake = Intake(fleet, bundle.accountant, Tenants(cfg), handler, max_body=cfg.limits.max_body_bytes,
+                    body_timeout_s=cfg.limits.body_timeout_s, virtual_models=services.virtual_models)
+    endpoints = {op.path: Endpoint(intake, op) for op in OPERATIONS}
+    bundle.accountant.filter_stats = {f.name: f.stats for f in filters if hasattr(f, "stats")}
     started = time.time()
 
     async def models(request: Request) -> Response:
         data = [
             {"id": m, "object": "model", "created": int(started), "owned_by": f"usefulwork:{p.name}"}
             for p in cfg.pools for m in p.models
-        ]
+        ] + [{"id": m, "object": "model", "created": int(started), "owned_by": "usefulwork:router"}
+             for m in sorted(services.virtual_models)]
         return Response(orjson.dumps({"object": "list", "data": data}), media_type=JSON)
 
     async def healthz(request: Request) -> Response:
@@ -124,21 +140,30 @@ def build_app(cfg: Config, client: httpx.AsyncClient | None = None) -> HotPaths:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await fleet.start()
         await bundle.accountant.start()
+        for f in filters:
+            if hasattr(f, "start"):
+                await f.start()
         try:
             yield
         finally:
+            for f in reversed(filters):
+                if hasattr(f, "stop"):
+                    try:
+                        await f.stop()
+                    except Exception:
+                        log.exception("stopping filter %s", f.name)
             await bundle.accountant.stop()
             await fleet.stop()
             await client.aclose()
 
     routes = [
-        Route("/v1/chat/completions", proxy.chat, methods=["POST"]),
-        Route("/v1/completions", proxy.completions, methods=["POST"]),
+        *(Route(path, ep, methods=["POST"]) for path, ep in endpoints.items()),
         Route("/v1/models", models, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         *bundle.routes,
+        *(r for f in filters for r in getattr(f, "routes", ())),
     ]
     app = Starlette(
         routes=routes,
@@ -147,6 +172,7 @@ def build_app(cfg: Config, client: httpx.AsyncClient | None = None) -> HotPaths:
     )
     app.state.cfg = cfg
     app.state.fleet = fleet
-    app.state.proxy = proxy
+    app.state.intake = intake
+    app.state.filters = filters
     app.state.accounting = bundle
-    return HotPaths(app, {"/v1/chat/completions": proxy.chat, "/v1/completions": proxy.completions})
+    return HotPaths(app, endpoints)

@@ -16,13 +16,14 @@ UsageSource = Literal["backend", "estimate", "none"]
 
 @dataclass(slots=True)
 class RequestContext:
-    id: str
-    endpoint: str  # "chat" | "completions"
+    id: str  # made by the gateway: unique, the ledger's key and the x-request-id the client gets back
+    endpoint: str  # "chat" | "completions" | "responses" | "embeddings"
     model: str  # as the client asked
     stream: bool
     tenant: str = "default"
     include_usage: bool = False  # did the CLIENT ask for stream usage
     max_tokens: int | None = None
+    client_request_id: str | None = None  # the client's own x-request-id (a correlation id; may repeat)
 
     # routing
     pool: str | None = None

@@ -51,6 +51,11 @@ class SSEFilter:
         rest, self._buf = self._buf, b""
         return rest
 
+    @staticmethod
+    def error_event(message: str, code: int = 502, type_: str = "upstream_error") -> bytes:
+        """How this kind of stream says it failed after it began (then it ends)."""
+        return error_event(message, code, type_)
+
     def _take_usage(self, out: bytes) -> bytes:
         kept = []
         for event in out.split(_SEP):
@@ -76,3 +81,39 @@ def error_event(message: str, code: int = 502, type_: str = "upstream_error") ->
     """An SSE error event followed by [DONE], for failures after streaming began."""
     body = orjson.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}})
     return b"data: " + body + _SEP + DONE_EVENT
+
+
+class ResponsesSSE(SSEFilter):
+    """The Responses API's stream (``POST /v1/responses``): typed events and no ``[DONE]``.
+
+    Usage arrives inside the terminal ``response.completed`` (or ``response.incomplete``) event's
+    ``response`` object; that event ends the stream. Nothing is stripped: the client always gets it.
+    """
+
+    __slots__ = ()
+
+    def _take_usage(self, out: bytes) -> bytes:
+        for event in out.split(_SEP):
+            start = event.find(b"data: {")
+            if start < 0 or not (_USAGE in event or _USAGE_SPACED in event):
+                continue
+            try:
+                obj = orjson.loads(event[start + 6:])
+            except orjson.JSONDecodeError:
+                continue
+            resp = obj.get("response") if isinstance(obj, dict) else None
+            usage = resp.get("usage") if isinstance(resp, dict) else None
+            if isinstance(usage, dict):
+                self.usage = usage
+            if obj.get("type") in RESPONSES_TERMINAL:
+                self.done = True
+        return out
+
+    @staticmethod
+    def error_event(message: str, code: int = 502, type_: str = "upstream_error") -> bytes:
+        body = orjson.dumps({"type": "error", "code": str(code), "message": message, "param": None,
+                             "error_type": type_})
+        return b"event: error\ndata: " + body + _SEP
+
+
+RESPONSES_TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})

@@ -113,3 +113,41 @@ def validate_completion(body: dict[str, Any]) -> None:
         if all(isinstance(x, list) and x and all(_is_int(t) for t in x) for x in prompt):
             return
     raise _bad("prompt", "'prompt' must be a string, a non-empty list of strings, or token id lists")
+
+
+def validate_responses(body: dict[str, Any]) -> None:
+    """``POST /v1/responses``: ``input`` is a string or a list of input items."""
+    _check_common(body)
+    inp = body.get("input")
+    if inp is None:
+        raise _bad("input", "'input' is required")
+    if isinstance(inp, str):
+        if not inp:
+            raise _bad("input", "'input' must not be empty")
+    elif isinstance(inp, list):
+        if not inp:
+            raise _bad("input", "'input' must not be empty")
+        for i, item in enumerate(inp):
+            if not isinstance(item, dict):
+                raise _bad(f"input[{i}]", f"input[{i}] must be an object")
+    else:
+        raise _bad("input", "'input' must be a string or a list of input items")
+    v = body.get("max_output_tokens")
+    if v is not None and (not _is_int(v) or v < 1):
+        raise _bad("max_output_tokens", f"'max_output_tokens' must be an integer >= 1, got {v!r}")
+
+
+def validate_embeddings(body: dict[str, Any]) -> None:
+    """``POST /v1/embeddings``: ``input`` is a string, a list of strings, or token id list(s)."""
+    _check_common(body)
+    inp = body.get("input")
+    if inp is None:
+        raise _bad("input", "'input' is required")
+    if isinstance(inp, str) and inp:
+        return
+    if isinstance(inp, list) and inp:
+        if all(isinstance(x, str) for x in inp) or all(_is_int(x) for x in inp):
+            return
+        if all(isinstance(x, list) and x and all(_is_int(t) for t in x) for x in inp):
+            return
+    raise _bad("input", "'input' must be a non-empty string, list of strings, or token id list(s)")

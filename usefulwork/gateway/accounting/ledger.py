@@ -66,6 +66,7 @@ def to_record(ctx: RequestContext, work: float) -> dict:
     """The ledger record of a finished request (field reference: docs/accounting.md)."""
     return {
         "id": ctx.id,
+        "client_request_id": ctx.client_request_id,
         "ts": round(ctx.wall_start, 6),
         "tenant": ctx.tenant,
         "endpoint": ctx.endpoint,
@@ -127,6 +128,7 @@ class Ledger:
         self.written: dict[str, int] = {s.name: 0 for s in sinks}
         self.records_dropped = 0
         self.finished = 0
+        self.filter_stats: dict[str, Callable[[], dict]] = {}  # name -> the filter's stats() (set by the app)
 
     # -- the hot path: O(1), never blocks --
     def begin(self, ctx: RequestContext) -> None:
@@ -323,6 +325,8 @@ class Ledger:
             "sinks": [s.name for s in self.sinks],
             "token_estimator": self.estimator.method,
         }
+        if self.filter_stats:
+            out["filters"] = {name: stats() for name, stats in self.filter_stats.items()}
         out["slo"] = self.cfg.slo.model_dump()
         out["cost_model"] = self.cfg.cost.model_dump()
         return out

@@ -41,6 +41,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from usefulwork.config import Config
 from usefulwork.gateway.context import RequestContext
 from usefulwork.gateway.accounting.costing import PoolMeter, Settled
+from usefulwork.gateway.accounting.histograms import HistogramBook
 
 log = logging.getLogger("usefulwork.telemetry")
 
@@ -118,25 +119,23 @@ class Telemetry:
                 OTLPMetricExporter(endpoint=f"{base}/v1/metrics"),
                 export_interval_millis=cfg.telemetry.export_interval_s * 1000))
             tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=f"{base}/v1/traces")))
+        # Histograms are aggregated in-process (histograms.py) and handed to every reader at collection.
+        self.histograms = HistogramBook()
+        for reader in readers:
+            self.histograms.attach(reader)
         self.meter_provider = MeterProvider(resource=resource, metric_readers=readers)
         self.tracer_provider = tracer_provider
         self.tracer = tracer_provider.get_tracer("usefulwork.gateway")
         self._instruments()
 
     def _instruments(self) -> None:
-        m = self.meter_provider.get_meter("usefulwork.gateway")
-        self.token_usage = m.create_histogram(
-            "gen_ai.client.token.usage", unit="{token}", description="Input and output tokens per request.",
-            explicit_bucket_boundaries_advisory=TOKEN_BUCKETS)
-        self.duration = m.create_histogram(
-            "gen_ai.client.operation.duration", unit="s", description="End-to-end request duration.",
-            explicit_bucket_boundaries_advisory=DURATION_BUCKETS)
-        self.ttft = m.create_histogram(
-            "gen_ai.server.time_to_first_token", unit="s", description="Time to the first generated token.",
-            explicit_bucket_boundaries_advisory=TTFT_BUCKETS)
-        self.tpot = m.create_histogram(
-            "gen_ai.server.time_per_output_token", unit="s", description="Time per output token after the first.",
-            explicit_bucket_boundaries_advisory=TPOT_BUCKETS)
+        m = self.meter = self.meter_provider.get_meter("usefulwork.gateway")  # filters make instruments here too
+        h = self.histograms
+        h.define("gen_ai.client.token.usage", "{token}", "Input and output tokens per request.", TOKEN_BUCKETS)
+        h.define("gen_ai.client.operation.duration", "s", "End-to-end request duration.", DURATION_BUCKETS)
+        h.define("gen_ai.server.time_to_first_token", "s", "Time to the first generated token.", TTFT_BUCKETS)
+        h.define("gen_ai.server.time_per_output_token", "s", "Time per output token after the first.", TPOT_BUCKETS)
+        h.define("usefulwork.request.intake", "s", "Time to read, parse and validate a request body.", DURATION_BUCKETS)
         # Counters are summed here, per attribute set, and read by the SDK only when it collects
         # (a scrape, an OTLP export): one dict update per request instead of an SDK call with
         # attribute validation and hashing for each counter (measured: benchmarks/bench_accounting.py).
@@ -153,9 +152,6 @@ class Telemetry:
             m.create_observable_counter(name, callbacks=[self._reader(name)], unit=unit, description=desc)
         m.create_observable_counter("usefulwork.gpu.cost.usd", callbacks=[self._gpu_cost], unit="{USD}",
                                     description="Each pool's GPU cost since it came up (count x $/GPU-hour).")
-        self.intake = m.create_histogram("usefulwork.request.intake", unit="s",
-                                         description="Time to read, parse and validate a request body.",
-                                             explicit_bucket_boundaries_advisory=DURATION_BUCKETS)
 
     def _reader(self, name: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
         sums = self._sums[name]
@@ -178,20 +174,21 @@ class Telemetry:
     def record(self, ctx: RequestContext, rec: dict) -> None:
         op = OPERATION.get(ctx.endpoint, ctx.endpoint)
         pool = ctx.pool or "none"
-        genai = {"gen_ai.operation.name": op, "gen_ai.provider.name": "vllm", "gen_ai.request.model": ctx.model}
+        genai: tuple = (("gen_ai.operation.name", op), ("gen_ai.provider.name", "vllm"), ("gen_ai.request.model", ctx.model))
         if ctx.outcome != "ok":
-            genai["error.type"] = ctx.outcome
+            genai += (("error.type", ctx.outcome),)
+        hist = self.histograms.record
         if ctx.usage_source != "none":
-            src = {"usefulwork.usage_source": ctx.usage_source}
-            self.token_usage.record(ctx.prompt_tokens, {**genai, **src, "gen_ai.token.type": "input"})
-            self.token_usage.record(ctx.completion_tokens, {**genai, **src, "gen_ai.token.type": "output"})
+            src = genai + (("usefulwork.usage_source", ctx.usage_source),)
+            hist("gen_ai.client.token.usage", ctx.prompt_tokens, src + (("gen_ai.token.type", "input"),))
+            hist("gen_ai.client.token.usage", ctx.completion_tokens, src + (("gen_ai.token.type", "output"),))
         e2e, ttft, tpot = rec["e2e_ms"], rec["ttft_ms"], rec["tpot_ms"]
         if e2e is not None:
-            self.duration.record(e2e / 1000.0, genai)
+            hist("gen_ai.client.operation.duration", e2e / 1000.0, genai)
         if ttft is not None and ctx.outcome == "ok":
-            self.ttft.record(ttft / 1000.0, genai)
+            hist("gen_ai.server.time_to_first_token", ttft / 1000.0, genai)
         if tpot is not None and ctx.outcome == "ok":
-            self.tpot.record(tpot / 1000.0, genai)
+            hist("gen_ai.server.time_per_output_token", tpot / 1000.0, genai)
         slo = "n/a" if ctx.slo_met is None else ("true" if ctx.slo_met else "false")
         add = self._add
         add("usefulwork.requests", 1, (("outcome", ctx.outcome), ("pool", pool), ("tenant", ctx.tenant),
@@ -210,7 +207,7 @@ class Telemetry:
                     else "admitted")
         add("usefulwork.admission.decisions", 1, (("decision", decision),))
         if ctx.t_validated is not None:
-            self.intake.record(rec["intake_ms"] / 1000.0)
+            hist("usefulwork.request.intake", rec["intake_ms"] / 1000.0)
         if self._spans:
             self._span(ctx, rec, op)
 
