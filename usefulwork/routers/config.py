@@ -8,15 +8,12 @@ validator calls it), so a cascade naming a missing pool fails at load time too.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 if TYPE_CHECKING:
     from usefulwork.config import Config
-
-ROUTERS = ("heuristic", "classifier", "confidence-gated")
-PICKERS = ("least-loaded", "round-robin", "prefix", "precise-prefix")
 
 
 class _Strict(BaseModel):
@@ -71,22 +68,17 @@ class VirtualModel(_Strict):
     name: str = Field(..., min_length=1, description="The model name clients send (e.g. `auto`).")
     small_pool: str = Field(..., min_length=1, description="Pool of the small (cheap) tier.")
     large_pool: str = Field(..., min_length=1, description="Pool of the large tier.")
-    router: str = Field("heuristic", description=f"Router: {', '.join(ROUTERS)}.")
+    router: Literal["heuristic", "classifier", "confidence-gated"] = Field("heuristic", description="The router.")
     heuristic: HeuristicCfg = HeuristicCfg()
     classifier: ClassifierCfg = ClassifierCfg()
     confidence: ConfidenceCfg = ConfidenceCfg()
-
-    @model_validator(mode="after")
-    def _router(self) -> "VirtualModel":
-        if self.router not in ROUTERS:
-            raise ValueError(f"router: unknown router {self.router!r}; known: {', '.join(ROUTERS)}")
-        return self
 
 
 class PickerCfg(_Strict):
     """How a replica is chosen inside a pool."""
 
-    kind: str = Field("least-loaded", description=f"Picker: {', '.join(PICKERS)}.")
+    kind: Literal["least-loaded", "round-robin", "prefix", "precise-prefix"] = Field("least-loaded",
+                                                                                     description="The picker.")
     block_tokens: int = Field(16, ge=1, le=4096, description="prefix: tokens per hashed block (vLLM's block size).")
     chars_per_token: float = Field(4.0, gt=0, le=64, description="prefix: characters per token when the pool's "
                                    "tokenizer is not available (about 4 for English BPE vocabularies).")
@@ -105,12 +97,6 @@ class PickerCfg(_Strict):
                                        "to the replica it was last sent to (while that replica is a candidate).")
     kv_events_endpoints: dict[str, str] = Field(default_factory=dict, description="precise-prefix: replica URL "
                                                 "-> ZMQ endpoint of its KV-cache event publisher.")
-
-    @model_validator(mode="after")
-    def _kind(self) -> "PickerCfg":
-        if self.kind not in PICKERS:
-            raise ValueError(f"kind: unknown picker {self.kind!r}; known: {', '.join(PICKERS)}")
-        return self
 
 
 class RoutingCfg(_Strict):
