@@ -89,9 +89,9 @@ class PickerCfg(_Strict):
     load_weight: float = Field(0.5, ge=0, le=1000, description="prefix: score cost per outstanding request "
                                "relative to the pool's mean.")
     kv_weight: float = Field(0.5, ge=0, le=1000, description="prefix: score cost per unit of KV-cache usage.")
-    balance_rel: float = Field(1.3, ge=1, le=100, description="prefix: a replica whose load exceeds balance_rel "
+    balance_rel: float = Field(1.5, ge=1, le=100, description="prefix: a replica whose load exceeds balance_rel "
                                "x the pool's least load + balance_abs gets no prefix bonus (the hot-prefix spiral guard).")
-    balance_abs: float = Field(2.0, ge=0, le=10_000, description="prefix: see balance_rel (outstanding requests).")
+    balance_abs: float = Field(4.0, ge=0, le=10_000, description="prefix: see balance_rel (outstanding requests).")
     min_prefix_blocks: int = Field(1, ge=1, description="prefix: shorter predicted matches count as none.")
     session_header: str | None = Field(None, description="prefix: request header whose value pins a session "
                                        "to the replica it was last sent to (while that replica is a candidate).")

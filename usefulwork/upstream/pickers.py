@@ -18,7 +18,10 @@ Pickers (``routing.pickers.<pool>.kind``, docs/routing.md):
   chars_per_token`` characters) and each block gets a hash chained to its parent's, as vLLM's
   prefix cache does, so equal hashes mean equal whole prefixes. A per-replica LRU index remembers
   the blocks each replica was recently sent. Score = ``cache_weight x`` predicted cached share
-  ``- load_weight x`` load / (1 + mean load) ``- kv_weight x`` KV usage; best first.
+  ``- load_weight x`` load / (1 + mean load) ``- kv_weight x`` KV usage; best first. Load is this
+  gateway's own outstanding requests on the replica (exact and current; the scraped running and
+  waiting counts lag by up to a probe interval, and a lagging signal makes every new request
+  chase the replica that looked idle); KV usage comes from the scrape.
   Guards: a replica whose load exceeds ``balance_rel x`` the least load ``+ balance_abs`` gets no
   cache bonus (the hot-prefix spiral: one popular prefix must not pile onto one replica; SGLang's
   cache-aware router uses the same kind of balance threshold), and optional session affinity.
@@ -230,7 +233,7 @@ class PrefixPicker:
         """(score, predicted cached blocks, replica) per candidate."""
         cfg = self.cfg
         n = len(hashes)
-        loads = [r.load for r in replicas]
+        loads = [float(r.inflight) for r in replicas]  # this gateway's own count: exact and current
         mean = sum(loads) / len(loads)
         ceiling = cfg.balance_rel * min(loads) + cfg.balance_abs
         out = []
@@ -336,7 +339,7 @@ class PrefixPicker:
 
 
 def _score_key(t: tuple[float, int, Replica]) -> tuple[float, float]:
-    return (t[0], -t[2].load)
+    return (t[0], -t[2].inflight)
 
 
 class _Instruments:
