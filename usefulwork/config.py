@@ -20,6 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from usefulwork.caches.config import CacheCfg
+from usefulwork.routers.config import RoutingCfg
 
 ENV_PREFIX = "USEFULWORK__"
 
@@ -184,6 +185,7 @@ class Config(_Strict):
     cache: CacheCfg = Field(CacheCfg(), description="Exact and semantic response caches (the `cache` filter).")
     filters: list[str] = Field(default_factory=list, description="Request filters, in the order they run "
                                "(names: usefulwork/gateway/filters/__init__.py; docs/architecture.md).")
+    routing: RoutingCfg = Field(RoutingCfg(), description="Virtual models (cascades between pools) and replica pickers (docs/routing.md).")
     source: str = Field("<defaults>", description="Where this config came from (set by the loader).")
 
     @field_validator("filters")
@@ -207,6 +209,7 @@ class Config(_Strict):
                 if m in seen_models:
                     raise ValueError(f"model {m!r} is served by two pools ({seen_models[m]!r} and {pool.name!r})")
                 seen_models[m] = pool.name
+        self.routing.check_pools(self)
         return self
 
     def pool_for_model(self, model: str) -> Pool | None:
