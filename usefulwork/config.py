@@ -336,7 +336,7 @@ def write_reference(doc: Path) -> None:
     """Replace the generated table between the reference markers of docs/configuration.md."""
     text = doc.read_text()
     head, rest = text.split("<!-- reference:start -->\n", 1)
-    tail = rest.split("<!-- reference:end -->", 1)[1]
+    tail = rest.split("<!-- reference:end -->", 1)[1] if "<!-- reference:end -->" in rest else "\n"  # the table ends the doc
     doc.write_text(f"{head}<!-- reference:start -->\n{reference_markdown()}<!-- reference:end -->{tail}")
 
 
