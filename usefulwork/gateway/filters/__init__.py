@@ -19,6 +19,7 @@ FILTERS: dict[str, str] = {
     "noop": "usefulwork.gateway.filters.noop:NoopFilter",
     "cache": "usefulwork.caches.filter:CacheFilter",
     "router": "usefulwork.gateway.filters.router:RouterFilter",
+    "admission": "usefulwork.gateway.admission.filter:AdmissionFilter",
 }
 
 
