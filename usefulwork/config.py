@@ -19,6 +19,8 @@ from typing import Any, Mapping
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from usefulwork.gateway.recording import RecordCfg
+
 ENV_PREFIX = "USEFULWORK__"
 
 
@@ -163,6 +165,7 @@ class Config(_Strict):
     ledger: LedgerCfg = LedgerCfg()
     cost: CostCfg = CostCfg()
     telemetry: TelemetryCfg = TelemetryCfg()
+    record: RecordCfg = RecordCfg()
     filters: list[str] = Field(default_factory=list, description="Request filters, in the order they run "
                                "(names: usefulwork/gateway/filters/__init__.py; docs/architecture.md).")
     source: str = Field("<defaults>", description="Where this config came from (set by the loader).")

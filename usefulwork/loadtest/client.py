@@ -48,6 +48,7 @@ class RequestResult:
     usage_seen: bool = False
     error: str = ""
     request_id: str = ""  # sent as x-request-id: joins this result with the gateway's ledger record
+    text: list[str] | None = None  # the generated text, kept only when asked (paired replay compares outputs)
 
     @property
     def schedule_lag(self) -> float:
@@ -117,6 +118,9 @@ async def _stream(client: httpx.AsyncClient, url: str, body: bytes, headers: dic
             now = time.perf_counter()
             choices = obj.get("choices")
             if choices and _has_text(choices[0]):
+                if res.text is not None:
+                    c = choices[0]
+                    res.text.append(c.get("text") or (c.get("delta") or {}).get("content") or "")
                 if res.chunks == 0:
                     res.ttft = now - t_send
                 else:
@@ -135,9 +139,10 @@ async def _stream(client: httpx.AsyncClient, url: str, body: bytes, headers: dic
 
 
 async def send(client: httpx.AsyncClient, base_url: str, spec: RequestSpec, model: str, *, timeout_s: float,
-               clock0: float, planned: float, api_key: str | None = None) -> RequestResult:
+               clock0: float, planned: float, api_key: str | None = None, keep_text: bool = False) -> RequestResult:
     """Send one streaming request; never raises (every failure becomes an outcome)."""
-    res = RequestResult(index=spec.index, kind=spec.kind, planned=planned, planned_input_tokens=spec.input_tokens)
+    res = RequestResult(index=spec.index, kind=spec.kind, planned=planned, planned_input_tokens=spec.input_tokens,
+                        text=[] if keep_text else None)
     path = "/v1/chat/completions" if spec.endpoint == "chat" else "/v1/completions"
     res.request_id = os.urandom(8).hex()
     headers = {"content-type": "application/json", "x-request-id": res.request_id}
