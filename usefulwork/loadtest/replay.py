@@ -149,10 +149,9 @@ class ReplayWorkload:
             raise ReplayError(f"{self.source or 'the log'}: no replayable (chat or completions) records")
         if self.speed <= 0:
             raise ReplayError(f"speed must be > 0, got {self.speed}")
+        self._specs = list(self._build())  # built before the clock starts: no text work while sending
 
     def specs(self) -> list[ReplaySpec]:
-        if not self._specs:
-            self._specs = list(self._build())
         return self._specs
 
     def _build(self) -> Iterator[ReplaySpec]:
@@ -242,7 +241,7 @@ async def replay(workload: ReplayWorkload, target: Target, *, timeout_s: float =
     wall0 = time.time()
     out, interrupted = await run_interruptible(runner.run())
     if out is None:
-        await asyncio.sleep(0)  # let the cancelled requests' callbacks record them
+        await asyncio.sleep(0.05)  # let the cancelled requests' done-callbacks record them
         results = sorted(runner.results, key=lambda r: (r.planned, r.index))
         out = RunOutput(results=results, wall_start=wall0,
                         wall_end=wall0 + max((r.end for r in results), default=0.0), load=load.describe(),

@@ -112,10 +112,11 @@ def _single(args: argparse.Namespace, console: Console, workload) -> int:
     result["recorded"] = rp.compare_to_recorded(result, workload.records[:len(out.results)])
     result["interrupted"] = interrupted
     _print_single(console, result)
+    result["meta"] = {"log": str(args.log), "speed": args.speed, "target": target.base_url}
     if args.out:
-        write_json(args.out, {"runs": [result]})
+        write_json(args.out, result)  # shaped as one loadtest run (loadtest --report re-renders it)
     if args.html:
-        write_html({"runs": [result], "meta": {"log": str(args.log), "speed": args.speed}}, args.html)
+        write_html(result, args.html)
     return 130 if interrupted else 0
 
 
