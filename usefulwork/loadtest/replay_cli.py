@@ -47,6 +47,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-tpot-ms", type=float, default=SLOSpec.tpot_ms)
     p.add_argument("--slo-e2e-ms", type=float, default=SLOSpec.e2e_ms)
     p.add_argument("--no-noise-pass", action="store_true", help="skip the baseline-vs-baseline pass (no noise floor)")
+    p.add_argument("--no-embedding", action="store_true", help="compare outputs by exact match only (no model load)")
     p.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples (default 1000)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, help="write the JSON results here")
@@ -156,7 +157,7 @@ def _paired(args: argparse.Namespace, console: Console, workload) -> int:
     if main is None:
         console.print("[yellow]interrupted before any request finished[/yellow]")
         return 130
-    embed = _embedder()
+    embed = None if args.no_embedding else _embedder()
     data = build_paired(workload, main, noise, base, cand, slo=slo, usd_a=args.usd_per_hour, usd_b=usd_b,
                         embed=embed, resamples=args.resamples, seed=args.seed)
     data["meta"] = {"log": str(args.log), "speed": args.speed, "baseline": base.base_url,
