@@ -23,6 +23,7 @@ from usefulwork.caches.config import CacheCfg
 from usefulwork.routers.config import RoutingCfg
 from usefulwork.gateway.admission.config import AdmissionCfg
 from usefulwork.gateway.tenants import AccessCfg, TenantCfg
+from usefulwork.gateway.recording import RecordCfg
 
 ENV_PREFIX = "USEFULWORK__"
 
@@ -188,6 +189,7 @@ class Config(_Strict):
     tenants: dict[str, TenantCfg] = Field(default_factory=dict, description="Tenant name -> hashed keys, limits, budget, priority, weight (docs/admission.md).")
     access: AccessCfg = AccessCfg()
     admission: AdmissionCfg = AdmissionCfg()
+    record: RecordCfg = RecordCfg()
     filters: list[str] = Field(default_factory=list, description="Request filters, in the order they run "
                                "(names: usefulwork/gateway/filters/__init__.py; docs/architecture.md).")
     routing: RoutingCfg = Field(RoutingCfg(), description="Virtual models (cascades between pools) and replica pickers (docs/routing.md).")

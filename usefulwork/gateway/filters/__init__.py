@@ -20,6 +20,7 @@ FILTERS: dict[str, str] = {
     "cache": "usefulwork.caches.filter:CacheFilter",
     "router": "usefulwork.gateway.filters.router:RouterFilter",
     "admission": "usefulwork.gateway.admission.filter:AdmissionFilter",
+    "record": "usefulwork.gateway.recording:RecordFilter",
 }
 
 
