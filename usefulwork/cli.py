@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("usefulwork.gateway.serve", "run the gateway (embedded local vLLM fleet unless --config)"),
     "sim": ("usefulwork.backends.sim.cli", "run a simulated vLLM server (GPU what-if planning)"),
     "loadtest": ("usefulwork.loadtest.cli", "steady/burst load and the cost-per-useful-work matrix"),
+    "tenants": ("usefulwork.gateway.tenants", "tenant keys: print the hash of a new API key for the config"),
     "cost": ("usefulwork.costmodel", "the inference cost model: $/1M tokens, break-even, pricing tiers"),
 }
 

@@ -19,6 +19,9 @@ from typing import Any, Mapping
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from usefulwork.gateway.admission.config import AdmissionCfg
+from usefulwork.gateway.tenants import AccessCfg, TenantCfg
+
 ENV_PREFIX = "USEFULWORK__"
 
 
@@ -163,6 +166,9 @@ class Config(_Strict):
     ledger: LedgerCfg = LedgerCfg()
     cost: CostCfg = CostCfg()
     telemetry: TelemetryCfg = TelemetryCfg()
+    tenants: dict[str, TenantCfg] = Field(default_factory=dict, description="Tenant name -> hashed keys, limits, budget, priority, weight (docs/admission.md).")
+    access: AccessCfg = AccessCfg()
+    admission: AdmissionCfg = AdmissionCfg()
     filters: list[str] = Field(default_factory=list, description="Request filters, in the order they run "
                                "(names: usefulwork/gateway/filters/__init__.py; docs/architecture.md).")
     source: str = Field("<defaults>", description="Where this config came from (set by the loader).")
@@ -292,6 +298,10 @@ def reference_rows(model: type[BaseModel] = Config, prefix: str = "", defaults: 
             doc = (f.description or sub.__doc__ or "").strip()
             rows.append((path, sub.__name__, "" if default is not None else "None", doc.splitlines()[0] if doc else ""))
             rows.extend(reference_rows(sub, path + ".", default if isinstance(default, BaseModel) else None))
+            continue
+        if getattr(ann, "__origin__", None) is dict and isinstance(args[1], type) and issubclass(args[1], BaseModel):
+            rows.append((path, f"map of name to {args[1].__name__}", "{}", f.description or ""))
+            rows.extend(reference_rows(args[1], path + ".<name>."))
             continue
         if args and isinstance(args[0], type) and issubclass(args[0], BaseModel):
             rows.append((path, f"list of {args[0].__name__}", "[]", f.description or ""))

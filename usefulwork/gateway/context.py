@@ -32,6 +32,12 @@ class RequestContext:
     route_reason: str | None = None
     attempts: int = 0
 
+    # admission (gateway/admission): class, decision (admit | queued | shed | refused | degraded:...), queue wait
+    priority: str | None = None
+    admission: str | None = None
+    queue_ms: float = 0.0
+    shed_reason: str | None = None
+
     # cache
     cache: str = "miss"  # miss | hit-exact | hit-semantic | bypass
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import copy
+import dataclasses
 import fcntl
 import os
 import platform
@@ -86,6 +86,9 @@ class Case:
     num_requests: int | None
     timeout_s: float
     drain_s: float | None
+    clients: list[dict[str, Any]] | None = None  # a client mix (tenants, priorities); runner.LoadSpec
+    honor_retry_after: bool = False
+    profiles: list[str] | None = None  # run only on these profiles (None: all)
 
 
 @dataclass
@@ -96,6 +99,7 @@ class Profile:
     sim_profile: str
     sim_overrides: dict[str, Any]
     time_scale: float | None = None  # sim only: overrides backend.time_scale for this profile
+    gateway: dict[str, Any] = field(default_factory=dict)  # merged into the gateway's config (filters, tenants)
 
 
 @dataclass
@@ -115,7 +119,8 @@ class Experiment:
     def case_for(self, shape: dict[str, Any], case_name: str) -> Case:
         spec = _deep_merge(self.cases[case_name], (shape.get("cases") or {}).get(case_name) or {})
         where = f"{self.source}: shape {shape['name']}: case {case_name}"
-        known = {"description", "workload", "arrival", "concurrency", "duration_s", "num_requests", "timeout_s", "drain_s"}
+        known = {"description", "workload", "arrival", "concurrency", "duration_s", "num_requests", "timeout_s", "drain_s",
+                 "clients", "honor_retry_after", "profiles"}
         extra = set(spec) - known
         if extra:
             raise ExperimentError(f"{where}: unknown field(s) {', '.join(sorted(extra))}")
@@ -134,7 +139,8 @@ class Experiment:
         return Case(name=case_name, description=spec.get("description", ""), workload=wl, arrival=arrival,
                     concurrency=spec.get("concurrency"), duration_s=spec.get("duration_s"),
                     num_requests=spec.get("num_requests"), timeout_s=float(spec.get("timeout_s", 60.0)),
-                    drain_s=spec.get("drain_s"))
+                    drain_s=spec.get("drain_s"), clients=spec.get("clients"),
+                    honor_retry_after=bool(spec.get("honor_retry_after", False)), profiles=spec.get("profiles"))
 
 
 def load_experiment(name_or_path: str) -> Experiment:
@@ -147,7 +153,7 @@ def load_experiment(name_or_path: str) -> Experiment:
     if not isinstance(raw, dict):
         raise ExperimentError(f"{src}: the top level must be a mapping")
     known = {"name", "description", "backend", "slo", "seed", "profiles", "shapes", "cases", "compare"}
-    extra = set(raw) - known
+    extra = {k for k in set(raw) - known if not str(k).startswith("x-")}  # x-*: YAML anchors, as in compose files
     if extra:
         raise ExperimentError(f"{src}: unknown top-level field(s) {', '.join(sorted(extra))}")
     backend = raw.get("backend") or {}
@@ -163,7 +169,7 @@ def load_experiment(name_or_path: str) -> Experiment:
         profiles.append(Profile(name=pname, description=p.get("description", ""),
                                 vllm_args=[str(a) for a in p.get("vllm_args", [])],
                                 sim_profile=p.get("sim_profile", pname), sim_overrides=p.get("sim_overrides") or {},
-                                time_scale=p.get("time_scale")))
+                                time_scale=p.get("time_scale"), gateway=p.get("gateway") or {}))
     if not profiles:
         raise ExperimentError(f"{src}: no profiles")
     cases = raw.get("cases") or {}
@@ -253,7 +259,7 @@ def gateway_config(exp: Experiment, profile: Profile, backend_url: str, port: in
                    ledger_path: Path | None = None) -> dict[str, Any]:
     s = time_scale(exp, profile)
     gpu = exp.backend.get("gpu") or {}
-    return {
+    return _deep_merge({
         "listen": {"host": "127.0.0.1", "port": port},
         # The per-request ledger beside the results: joins with them on x-request-id (client_request_id).
         "ledger": {"jsonl_path": str(ledger_path) if ledger_path else None},
@@ -267,7 +273,7 @@ def gateway_config(exp: Experiment, profile: Profile, backend_url: str, port: in
             "gpu": {"type": str(gpu.get("type", "gpu")), "count": int(gpu.get("count", 1)),
                     "usd_per_hour": float(gpu.get("usd_per_hour", 0.0)) * s},
         }],
-    }
+    }, profile.gateway)
 
 
 def free_port() -> int:
@@ -358,7 +364,8 @@ def rescale(out: RunOutput, s: float) -> RunOutput:
     res: list[RequestResult] = []
     for r in out.results:
         res.append(dataclasses.replace(r, planned=r.planned * s, sent=r.sent * s, end=r.end * s, ttft=r.ttft * s,
-                                       itl=[g * s for g in r.itl]))
+                                       itl=[g * s for g in r.itl], retry_after_s=r.retry_after_s * s,
+                                       shed_s=r.shed_s * s, wait_s=r.wait_s * s))
     load = dict(out.load, time_scale=s)
     return RunOutput(results=res, wall_start=out.wall_start, wall_end=out.wall_end, load=load,
                      workload=out.workload, target=out.target)
@@ -394,6 +401,8 @@ def plan(exp: Experiment, opts: Options) -> list[tuple[Profile, dict[str, Any], 
                 continue
             for c in cases:
                 case = exp.case_for(s, c)
+                if case.profiles is not None and p.name not in case.profiles:
+                    continue
                 if opts.time_scale != 1.0:
                     if case.duration_s is not None:
                         case.duration_s *= opts.time_scale
@@ -408,7 +417,8 @@ def run_cell(exp: Experiment, profile: Profile, shape: dict[str, Any], case: Cas
     s = time_scale(exp, profile)
     arr, dur, timeout, drain = to_wall(case, s)
     load = LoadSpec(arrival=arrivals.from_spec(arr) if arr else None, concurrency=case.concurrency, duration_s=dur,
-                    num_requests=case.num_requests, timeout_s=timeout, drain_s=drain, seed=exp.seed)
+                    num_requests=case.num_requests, timeout_s=timeout, drain_s=drain, seed=exp.seed,
+                    clients=case.clients, honor_retry_after=case.honor_retry_after)
     workload = workloads.from_spec(case.workload, Path(exp.source).parent)
     target = Target(url, served_name(exp))
     window = StatsWindow(url, s) if use_gateway else None
@@ -423,7 +433,12 @@ def run_cell(exp: Experiment, profile: Profile, shape: dict[str, Any], case: Cas
     with progress if progress else contextlib.nullcontext():
         out = run_sync(target, workload, load, progress)
     label = f"{shape['name']} {case.name} / {profile.name}"
-    result = run_result(rescale(out, s), slo=exp.slo, usd_per_hour=usd_per_hour(exp), label=label)
+    scaled = rescale(out, s)
+    result = run_result(scaled, slo=exp.slo, usd_per_hour=usd_per_hour(exp), label=label)
+    if "admission" in exp.compare:  # per-request columns the admission verdicts read
+        from usefulwork.loadtest.admission import per_request
+
+        result["per_request"] = per_request(scaled.results, exp.slo, s)
     if window:
         result["gateway"] = window.end(result)
     return result
@@ -535,6 +550,10 @@ def run_experiment(exp: Experiment, opts: Options, console: Console) -> dict[str
                                          "stop_s": time.monotonic() - t_stop,
                                          "total_s": time.monotonic() - t_prof}
     data["ratios"] = ratios(exp, cells)
+    if "admission" in exp.compare:  # the admission experiment's verdicts (loadtest/admission.py)
+        from usefulwork.loadtest.admission import verdicts
+
+        data["admission"] = verdicts(exp, cells)
     data["total_wall_s"] = time.monotonic() - t_start
     data["total_wall_without_lock_waits_s"] = data["total_wall_s"] - sum(t.get("lock_wait_s", 0.0) for t in timings.values())
     write_json(out_dir / "results.json", data)

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 FILTERS: dict[str, str] = {
     "noop": "usefulwork.gateway.filters.noop:NoopFilter",
+    "admission": "usefulwork.gateway.admission.filter:AdmissionFilter",
 }
 
 
