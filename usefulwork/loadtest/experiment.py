@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import copy
 import dataclasses
 import fcntl
@@ -667,6 +666,10 @@ def main(args: argparse.Namespace, console: Console) -> int:
     from usefulwork.loadtest import report
     from usefulwork.loadtest.tables import print_gateway_compare, print_matrix, print_ratios
 
+    if args.experiment == "autoscale":  # a virtual-clock what-if, not a matrix of live cells (loadtest/autoscale.py)
+        from usefulwork.loadtest.autoscale import main as autoscale_main
+
+        return autoscale_main(args, console)
     exp = load_experiment(args.experiment)
     opts = Options(cases=args.case, profiles=args.profile, shapes=args.shape, out_dir=args.out_dir,
                    time_scale=args.time_scale, use_gateway=not args.no_gateway, port_base=args.port_base,
