@@ -19,6 +19,12 @@ from typing import Any, Mapping
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from usefulwork.caches.config import CacheCfg
+from usefulwork.routers.config import RoutingCfg
+from usefulwork.gateway.admission.config import AdmissionCfg
+from usefulwork.gateway.tenants import AccessCfg, TenantCfg
+from usefulwork.gateway.recording import RecordCfg
+
 ENV_PREFIX = "USEFULWORK__"
 
 
@@ -179,8 +185,14 @@ class Config(_Strict):
     ledger: LedgerCfg = LedgerCfg()
     cost: CostCfg = CostCfg()
     telemetry: TelemetryCfg = TelemetryCfg()
+    cache: CacheCfg = Field(CacheCfg(), description="Exact and semantic response caches (the `cache` filter).")
+    tenants: dict[str, TenantCfg] = Field(default_factory=dict, description="Tenant name -> hashed keys, limits, budget, priority, weight (docs/admission.md).")
+    access: AccessCfg = AccessCfg()
+    admission: AdmissionCfg = AdmissionCfg()
+    record: RecordCfg = RecordCfg()
     filters: list[str] = Field(default_factory=list, description="Request filters, in the order they run "
                                "(names: usefulwork/gateway/filters/__init__.py; docs/architecture.md).")
+    routing: RoutingCfg = Field(RoutingCfg(), description="Virtual models (cascades between pools) and replica pickers (docs/routing.md).")
     source: str = Field("<defaults>", description="Where this config came from (set by the loader).")
 
     @field_validator("filters")
@@ -204,6 +216,7 @@ class Config(_Strict):
                 if m in seen_models:
                     raise ValueError(f"model {m!r} is served by two pools ({seen_models[m]!r} and {pool.name!r})")
                 seen_models[m] = pool.name
+        self.routing.check_pools(self)
         return self
 
     def pool_for_model(self, model: str) -> Pool | None:
@@ -309,6 +322,10 @@ def reference_rows(model: type[BaseModel] = Config, prefix: str = "", defaults: 
             rows.append((path, sub.__name__, "" if default is not None else "None", doc.splitlines()[0] if doc else ""))
             rows.extend(reference_rows(sub, path + ".", default if isinstance(default, BaseModel) else None))
             continue
+        if getattr(ann, "__origin__", None) is dict and isinstance(args[1], type) and issubclass(args[1], BaseModel):
+            rows.append((path, f"map of name to {args[1].__name__}", "{}", f.description or ""))
+            rows.extend(reference_rows(args[1], path + ".<name>."))
+            continue
         if args and isinstance(args[0], type) and issubclass(args[0], BaseModel):
             rows.append((path, f"list of {args[0].__name__}", "[]", f.description or ""))
             rows.extend(reference_rows(args[0], path + "[]."))
@@ -330,7 +347,7 @@ def write_reference(doc: Path) -> None:
     """Replace the generated table between the reference markers of docs/configuration.md."""
     text = doc.read_text()
     head, rest = text.split("<!-- reference:start -->\n", 1)
-    tail = rest.split("<!-- reference:end -->", 1)[1]
+    tail = rest.split("<!-- reference:end -->", 1)[1] if "<!-- reference:end -->" in rest else "\n"  # the table ends the doc
     doc.write_text(f"{head}<!-- reference:start -->\n{reference_markdown()}<!-- reference:end -->{tail}")
 
 
