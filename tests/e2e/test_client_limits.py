@@ -120,3 +120,13 @@ def test_framing_errors_are_openai_style_json(gw, raw, what):
     assert status == 400, what
     err = _is_openai_error(headers, body)
     assert err["code"] == "invalid_http_request" and err["message"].startswith("Invalid HTTP request received")
+
+
+def test_the_head_limit_applies_to_every_request_on_a_kept_alive_connection(gw):
+    s = _conn(gw)
+    s.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
+    first = s.recv(65536)
+    assert first.startswith(b"HTTP/1.1 200 ")
+    s.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 40000 + b"\r\n\r\n")
+    status, headers, body = _answer(s)
+    assert status == 431 and _is_openai_error(headers, body)["code"] == "request_header_fields_too_large"

@@ -55,7 +55,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._head_bytes = 0  # bytes received while waiting for a complete head
+        self._in_head = True  # the next bytes belong to a request head (also a pipelined one)
+        self._head_bytes = 0  # bytes received for the current head
         self._url_bytes = 0
         self._fields_bytes = 0
         self._head_timer = None  # armed while waiting for a request head
@@ -63,7 +64,6 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     # -- waiting for a head --
     def _arm(self) -> None:
         self._disarm()
-        self._head_bytes = self._url_bytes = self._fields_bytes = 0
         self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_timeout)
 
     def _disarm(self) -> None:
@@ -102,16 +102,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        waiting = self._head_timer is not None
-        if waiting:
+        self._unset_keepalive_if_required()
+        if self._in_head:
             self._head_bytes += len(data)
         try:
-            if waiting:
-                self._unset_keepalive_if_required()
-                self.parser.feed_data(data)
-            else:
-                super().data_received(data)
-                return
+            self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:  # as uvicorn does (the gateway serves no websockets)
             if self._should_upgrade():
                 self.handle_websocket_upgrade()
@@ -128,7 +123,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         except _Refuse as refuse:
             self._refuse(refuse.status, refuse.message)
             return
-        if self._head_timer is not None and self._head_bytes > self.max_header_bytes:
+        if self._in_head and self._head_bytes > self.max_header_bytes:
             self._too_large()
 
     def _too_large(self) -> None:
@@ -141,6 +136,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._refuse(400, msg)
 
     # -- parser callbacks --
+    def on_message_begin(self) -> None:
+        self._url_bytes = self._fields_bytes = 0
+        super().on_message_begin()
+
     def on_url(self, url: bytes) -> None:
         self._url_bytes += len(url)
         super().on_url(url)
@@ -151,11 +150,17 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._disarm()
+        self._in_head = False
+        self._head_bytes = 0
         if self._url_bytes + self._fields_bytes > self.max_header_bytes:
             status = 414 if self._url_bytes > self.max_header_bytes else 431
             raise _Refuse(status, f"the request {'URL' if status == 414 else 'line and headers'} exceed "
                                   f"{self.max_header_bytes} bytes")
         super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._in_head = True  # what follows is the next request's head
+        super().on_message_complete()
 
     def on_response_complete(self) -> None:
         queued = bool(self.pipeline)
