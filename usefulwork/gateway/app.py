@@ -18,6 +18,7 @@ from starlette.routing import Route
 
 from usefulwork.config import Config
 from usefulwork.gateway import accounting
+from usefulwork.gateway.access import Access
 from usefulwork.gateway.errors import error_body
 from usefulwork.gateway.filters import build_filters
 from usefulwork.gateway.pipeline import Services, chain
@@ -87,6 +88,7 @@ def build_app(cfg: Config, client: httpx.AsyncClient | None = None) -> HotPaths:
     client = client or make_client(cfg)
     fleet = Fleet(cfg, client)
     bundle = accounting.build(cfg, fleet)
+    access = Access(cfg)
     services = Services(cfg=cfg, fleet=fleet, accountant=bundle.accountant,
                         meter=bundle.telemetry.meter if bundle.telemetry is not None else None)
     filters = build_filters(cfg.filters, services)
@@ -120,11 +122,11 @@ def build_app(cfg: Config, client: httpx.AsyncClient | None = None) -> HotPaths:
             }
             for name, p in fleet.pools.items()
         }
-        ready = fleet.ready()
-        return Response(orjson.dumps({"ready": ready, "pools": pools}), status_code=200 if ready else 503,
-                        media_type=JSON)
+        return access.readyz(request, fleet.ready(), {"pools": pools})
 
     async def metrics(request: Request) -> Response:
+        if (denied := access.metrics(request)) is not None:
+            return denied
         body = prometheus_client.generate_latest(prometheus_client.REGISTRY) + fleet_metrics_text(fleet).encode()
         return Response(body, media_type=prometheus_client.CONTENT_TYPE_LATEST)
 

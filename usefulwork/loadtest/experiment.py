@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import fcntl
 import json
 import os
@@ -86,6 +87,9 @@ class Case:
     num_requests: int | None
     timeout_s: float
     drain_s: float | None
+    clients: list[dict[str, Any]] | None = None  # a client mix (tenants, priorities); runner.LoadSpec
+    honor_retry_after: bool = False
+    profiles: list[str] | None = None  # run only on these profiles (None: all)
 
 
 @dataclass
@@ -96,7 +100,7 @@ class Profile:
     sim_profile: str
     sim_overrides: dict[str, Any]
     time_scale: float | None = None  # sim only: overrides backend.time_scale for this profile
-    gateway: dict[str, Any] = field(default_factory=dict)  # merged into the gateway's config (routing, filters)
+    gateway: dict[str, Any] = field(default_factory=dict)  # merged into the gateway's config (routing, filters, tenants)
     model: str | None = None  # the model name clients send (default: the backend's served name)
 
 
@@ -117,7 +121,8 @@ class Experiment:
     def case_for(self, shape: dict[str, Any], case_name: str) -> Case:
         spec = _deep_merge(self.cases[case_name], (shape.get("cases") or {}).get(case_name) or {})
         where = f"{self.source}: shape {shape['name']}: case {case_name}"
-        known = {"description", "workload", "arrival", "concurrency", "duration_s", "num_requests", "timeout_s", "drain_s"}
+        known = {"description", "workload", "arrival", "concurrency", "duration_s", "num_requests", "timeout_s", "drain_s",
+                 "clients", "honor_retry_after", "profiles"}
         extra = set(spec) - known
         if extra:
             raise ExperimentError(f"{where}: unknown field(s) {', '.join(sorted(extra))}")
@@ -136,7 +141,8 @@ class Experiment:
         return Case(name=case_name, description=spec.get("description", ""), workload=wl, arrival=arrival,
                     concurrency=spec.get("concurrency"), duration_s=spec.get("duration_s"),
                     num_requests=spec.get("num_requests"), timeout_s=float(spec.get("timeout_s", 60.0)),
-                    drain_s=spec.get("drain_s"))
+                    drain_s=spec.get("drain_s"), clients=spec.get("clients"),
+                    honor_retry_after=bool(spec.get("honor_retry_after", False)), profiles=spec.get("profiles"))
 
 
 def load_experiment(name_or_path: str) -> Experiment:
@@ -149,7 +155,7 @@ def load_experiment(name_or_path: str) -> Experiment:
     if not isinstance(raw, dict):
         raise ExperimentError(f"{src}: the top level must be a mapping")
     known = {"name", "description", "backend", "slo", "seed", "profiles", "shapes", "cases", "compare"}
-    extra = set(raw) - known
+    extra = {k for k in set(raw) - known if not str(k).startswith("x-")}  # x-*: YAML anchors, as in compose files
     if extra:
         raise ExperimentError(f"{src}: unknown top-level field(s) {', '.join(sorted(extra))}")
     backend = raw.get("backend") or {}
@@ -269,7 +275,7 @@ def time_scale(exp: Experiment, profile: Profile) -> float:
 
 
 def gateway_config(exp: Experiment, profile: Profile, backend_urls: str | list[list[str]], port: int,
-                   kv_endpoints: dict[str, str] | None = None) -> dict[str, Any]:
+                   kv_endpoints: dict[str, str] | None = None, ledger_path: Path | None = None) -> dict[str, Any]:
     """The gateway in front of the profile's backends: one pool per ``backend_pools`` entry (its
     replicas' URLs in ``backend_urls``), then the profile's ``gateway`` mapping merged in."""
     s = time_scale(exp, profile)
@@ -287,6 +293,8 @@ def gateway_config(exp: Experiment, profile: Profile, backend_urls: str | list[l
         })
     cfg = _deep_merge({
         "listen": {"host": "127.0.0.1", "port": port},
+        # The per-request ledger beside the results: joins with them on x-request-id (client_request_id).
+        "ledger": {"jsonl_path": str(ledger_path) if ledger_path else None},
         # In scaled time the gateway sees wall seconds: targets / s, price x s (see module doc).
         "slo": {"ttft_ms": exp.slo.ttft_ms / s, "tpot_ms": exp.slo.tpot_ms / s, "e2e_ms": exp.slo.e2e_ms / s},
         "timeouts": {"first_byte_s": 600.0, "read_s": 600.0},
@@ -426,11 +434,9 @@ def rescale(out: RunOutput, s: float) -> RunOutput:
         return out
     res: list[RequestResult] = []
     for r in out.results:
-        res.append(RequestResult(index=r.index, kind=r.kind, planned=r.planned * s, sent=r.sent * s, end=r.end * s,
-                                 outcome=r.outcome, status=r.status, ttft=r.ttft * s, itl=[g * s for g in r.itl],
-                                 prompt_tokens=r.prompt_tokens, output_tokens=r.output_tokens,
-                                 planned_input_tokens=r.planned_input_tokens, chunks=r.chunks,
-                                 usage_seen=r.usage_seen, error=r.error))
+        res.append(dataclasses.replace(r, planned=r.planned * s, sent=r.sent * s, end=r.end * s, ttft=r.ttft * s,
+                                       itl=[g * s for g in r.itl], retry_after_s=r.retry_after_s * s,
+                                       shed_s=r.shed_s * s, wait_s=r.wait_s * s))
     load = dict(out.load, time_scale=s)
     return RunOutput(results=res, wall_start=out.wall_start, wall_end=out.wall_end, load=load,
                      workload=out.workload, target=out.target)
@@ -466,6 +472,8 @@ def plan(exp: Experiment, opts: Options) -> list[tuple[Profile, dict[str, Any], 
                 continue
             for c in cases:
                 case = exp.case_for(s, c)
+                if case.profiles is not None and p.name not in case.profiles:
+                    continue
                 if opts.time_scale != 1.0:
                     if case.duration_s is not None:
                         case.duration_s *= opts.time_scale
@@ -480,10 +488,11 @@ def run_cell(exp: Experiment, profile: Profile, shape: dict[str, Any], case: Cas
     s = time_scale(exp, profile)
     arr, dur, timeout, drain = to_wall(case, s)
     load = LoadSpec(arrival=arrivals.from_spec(arr) if arr else None, concurrency=case.concurrency, duration_s=dur,
-                    num_requests=case.num_requests, timeout_s=timeout, drain_s=drain, seed=exp.seed)
+                    num_requests=case.num_requests, timeout_s=timeout, drain_s=drain, seed=exp.seed,
+                    clients=case.clients, honor_retry_after=case.honor_retry_after)
     workload = workloads.from_spec(case.workload, Path(exp.source).parent)
     target = Target(url, profile.model or served_name(exp))
-    window = StatsWindow(url, s) if use_gateway else None
+    window = StatsWindow(url, s, exp.backend.get("admin_key")) if use_gateway else None
     if window:
         window.begin()
     progress = None
@@ -495,10 +504,23 @@ def run_cell(exp: Experiment, profile: Profile, shape: dict[str, Any], case: Cas
     with progress if progress else contextlib.nullcontext():
         out = run_sync(target, workload, load, progress)
     label = f"{shape['name']} {case.name} / {profile.name}"
-    result = run_result(rescale(out, s), slo=exp.slo, usd_per_hour=usd_per_hour(exp), label=label)
+    scaled = rescale(out, s)
+    result = run_result(scaled, slo=exp.slo, usd_per_hour=usd_per_hour(exp), label=label)
+    if "admission" in exp.compare:  # per-request columns the admission verdicts read
+        from usefulwork.loadtest.admission import per_request
+
+        result["per_request"] = per_request(scaled.results, exp.slo, s)
     if window:
         result["gateway"] = window.end(result)
     return result
+
+
+def _cache_line(result: dict[str, Any]) -> str:
+    c = ((result.get("gateway") or {}).get("figures") or {}).get("cache")
+    if not c or c["hit_share"] is None:
+        return ""
+    return (f", cache hits {c['hit_share']:.1%}, cache CPU {c['cpu_ms_per_request']:.3f} ms/request "
+            f"(+ embedding {c['embed_ms_per_request']:.2f} ms/request, off the event loop)")
 
 
 def ratios(exp: Experiment, cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -596,7 +618,8 @@ def run_experiment(exp: Experiment, opts: Options, console: Console) -> dict[str
                     b.wait_ready(timeout_s=600)
                 url = backend.base_url
                 if opts.use_gateway:
-                    gateway = Gateway(gateway_config(exp, profile, urls, gw_port, kv_endpoints), out_dir)
+                    gateway = Gateway(gateway_config(exp, profile, urls, gw_port, kv_endpoints,
+                                                     out_dir / f"ledger-{profile.name}.jsonl"), out_dir)
                     gateway.start()
                     url = gateway.base_url
                 started = time.monotonic() - t_prof
@@ -619,8 +642,8 @@ def run_experiment(exp: Experiment, opts: Options, console: Console) -> dict[str
                     r = result
                     console.print(f"  {shape['name']} {case.name} / {profile.name}: {r['completed']} ok / "
                                   f"{r['dropped']} dropped, p95 {r['p95_e2el_ms'] / 1000:.2f}s, "
-                                  f"$/1K ok {r['usd_per_1k_successful']}, SLO {'pass' if r['slo_passed'] else 'miss'}",
-                                  highlight=False)
+                                  f"$/1K ok {r['usd_per_1k_successful']}, SLO {'pass' if r['slo_passed'] else 'miss'}"
+                                  + _cache_line(r), highlight=False)
                     write_json(out_dir / "results.json", data)  # partial results survive a crash
             finally:
                 t_stop = time.monotonic()
@@ -632,6 +655,10 @@ def run_experiment(exp: Experiment, opts: Options, console: Console) -> dict[str
                                          "stop_s": time.monotonic() - t_stop,
                                          "total_s": time.monotonic() - t_prof}
     data["ratios"] = ratios(exp, cells)
+    if "admission" in exp.compare:  # the admission experiment's verdicts (loadtest/admission.py)
+        from usefulwork.loadtest.admission import verdicts
+
+        data["admission"] = verdicts(exp, cells)
     data["total_wall_s"] = time.monotonic() - t_start
     data["total_wall_without_lock_waits_s"] = data["total_wall_s"] - sum(t.get("lock_wait_s", 0.0) for t in timings.values())
     write_json(out_dir / "results.json", data)
@@ -642,6 +669,10 @@ def main(args: argparse.Namespace, console: Console) -> int:
     from usefulwork.loadtest import report
     from usefulwork.loadtest.tables import print_gateway_compare, print_matrix, print_ratios
 
+    if args.experiment == "autoscale":  # a virtual-clock what-if, not a matrix of live cells (loadtest/autoscale.py)
+        from usefulwork.loadtest.autoscale import main as autoscale_main
+
+        return autoscale_main(args, console)
     exp = load_experiment(args.experiment)
     opts = Options(cases=args.case, profiles=args.profile, shapes=args.shape, out_dir=args.out_dir,
                    time_scale=args.time_scale, use_gateway=not args.no_gateway, port_base=args.port_base,

@@ -40,6 +40,7 @@ class RequestSpec:
     ignore_eos: bool = True  # vLLM extension: generate exactly max_tokens (as `vllm bench` does)
     at: float | None = None  # planned send offset in seconds (trace workloads only)
     kind: str = ""  # label for breakdowns: "simple", "complex", "prefix-3", ...
+    temperature: float | None = None  # sent when set (cacheable Q&A workloads ask for 0)
 
     def body(self, model: str) -> dict[str, Any]:
         """The OpenAI request body (always streaming, always asking for usage)."""
@@ -55,6 +56,8 @@ class RequestSpec:
             body["prompt"] = self.prompt
         if self.ignore_eos:
             body["ignore_eos"] = True
+        if self.temperature is not None:
+            body["temperature"] = self.temperature
         return body
 
 
@@ -230,7 +233,7 @@ class PromptList:
                 src = self.items[int(j)]
                 yield RequestSpec(index=i, endpoint=src.endpoint, max_tokens=src.max_tokens,
                                   input_tokens=src.input_tokens, prompt=src.prompt, messages=src.messages,
-                                  ignore_eos=src.ignore_eos, kind=src.kind)
+                                  ignore_eos=src.ignore_eos, kind=src.kind, temperature=src.temperature)
                 i += 1
 
     def describe(self) -> dict[str, Any]:
@@ -252,6 +255,10 @@ def parse_prompt_line(obj: Any, where: str, default_max_tokens: int) -> RequestS
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise WorkloadError(f"{where}: max_tokens must be a positive integer, got {max_tokens!r}")
     kind = str(obj.get("kind", ""))
+    temperature = obj.get("temperature")
+    if temperature is not None and (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
+                                    or not 0 <= temperature <= 2):
+        raise WorkloadError(f"{where}: temperature must be a number in [0, 2], got {temperature!r}")
     if "messages" in obj:
         msgs = obj["messages"]
         if not isinstance(msgs, list) or not msgs or not all(
@@ -260,7 +267,7 @@ def parse_prompt_line(obj: Any, where: str, default_max_tokens: int) -> RequestS
             raise WorkloadError(f"{where}: messages must be a non-empty list of {{role, content}} objects")
         n = sum(_approx_tokens(m["content"]) for m in msgs)
         return RequestSpec(index=0, endpoint="chat", max_tokens=max_tokens, input_tokens=n, messages=msgs,
-                           ignore_eos=bool(obj.get("ignore_eos", False)), kind=kind)
+                           ignore_eos=bool(obj.get("ignore_eos", False)), kind=kind, temperature=temperature)
     if "prompt" in obj:
         prompt = obj["prompt"]
         if not isinstance(prompt, str) or not prompt:
@@ -269,7 +276,8 @@ def parse_prompt_line(obj: Any, where: str, default_max_tokens: int) -> RequestS
         if endpoint not in ("chat", "completions"):
             raise WorkloadError(f"{where}: endpoint must be 'chat' or 'completions', got {endpoint!r}")
         return RequestSpec(index=0, endpoint=endpoint, max_tokens=max_tokens, input_tokens=_approx_tokens(prompt),
-                           prompt=prompt, ignore_eos=bool(obj.get("ignore_eos", False)), kind=kind)
+                           prompt=prompt, ignore_eos=bool(obj.get("ignore_eos", False)), kind=kind,
+                           temperature=temperature)
     raise WorkloadError(f"{where}: each line needs a 'prompt' string or a 'messages' list")
 
 
