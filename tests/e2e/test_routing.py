@@ -123,3 +123,38 @@ def test_prefix_picker_self_check_runs_in_the_gateway(routed):
     assert picker["accuracy"] >= 0.8, picker
     router = stats["filters"]["router"]["virtual_models"]
     assert router["auto-gate"]["escalations"] >= 1 and router["auto"]["requests"] >= 2
+
+
+@pytest.mark.browser
+def test_dashboard_shows_routing_and_the_picker_self_check(routed):
+    """Real headless Chromium: the routing section shows what /usefulwork/stats says."""
+    from pathlib import Path
+
+    from playwright.sync_api import sync_playwright
+
+    from tests.e2e.test_dashboard import ARGS, CHROMIUM
+
+    if not Path(CHROMIUM).exists():
+        pytest.fail("Debian chromium is not installed (apt-get install chromium)")
+    gw, _ = routed
+    client(gw).chat.completions.create(model="auto", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        try:
+            page = browser.new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(f"{gw.url}/usefulwork/dashboard")
+            page.wait_for_function("Number(document.body.dataset.renders || 0) > 0", timeout=15000)
+            stats = httpx.get(gw.url + "/usefulwork/stats", timeout=5).json()["filters"]
+            assert page.locator("#routing").is_visible() and not errors, errors
+            rows = page.locator("#routing-table tbody tr")
+            names = [rows.nth(i).locator("td").first.inner_text() for i in range(rows.count())]
+            assert set(names) == set(stats["router"]["virtual_models"])
+            auto = page.locator("#routing-table tbody tr", has_text="auto-gate").locator("td")
+            assert auto.nth(3).inner_text() == str(stats["router"]["virtual_models"]["auto-gate"]["escalations"])
+            picker = page.locator("#picker-table tbody tr").first.locator("td")
+            assert picker.nth(0).inner_text() == "small" and picker.nth(1).inner_text() == "prefix"
+            assert "discarded small-tier work" in page.locator("#routing-discarded").inner_text()
+        finally:
+            browser.close()

@@ -559,8 +559,11 @@ def meta(exp: Experiment) -> dict[str, Any]:
         except Exception:  # noqa: BLE001 - informational only
             pass
     else:
-        m["serving hardware"] = f"simulated {b.get('gpu_name', 'A100-80G')} x{b.get('tp', 1)} (usefulwork sim)"
-        m["model"] = f"{b.get('model', 'Llama-3.1-8B')} {b.get('precision', 'bf16')}"
+        m["serving hardware"] = "; ".join(
+            f"{p['name'] + ': ' if 'name' in p else ''}{str(p['replicas']) + ' x ' if 'replicas' in p else ''}"
+            f"simulated {p.get('gpu_name', 'A100-80G')} x{p.get('tp', 1)}" for p in backend_pools(exp)) + " (usefulwork sim)"
+        m["model"] = ", ".join(sorted({f"{p.get('model', 'Llama-3.1-8B')} {p.get('precision', 'bf16')}"
+                                       for p in backend_pools(exp)}))
         m["time scale"] = ", ".join(f"{p.name}: {time_scale(exp, p):g}" for p in exp.profiles) + \
             " simulated s per wall s (results are in simulated seconds)"
     gpu = b.get("gpu") or {}
