@@ -152,12 +152,12 @@ def build_app(cfg: Config, client: httpx.AsyncClient | None = None) -> HotPaths:
         try:
             yield
         finally:
-            for f in reversed(filters):
-                if hasattr(f, "stop"):
+            for name, part in [*((f.name, f) for f in reversed(filters)), *pickers.items()]:
+                if hasattr(part, "stop"):  # filters, and pickers with background work (KV-event subscribers)
                     try:
-                        await f.stop()
+                        await part.stop()
                     except Exception:
-                        log.exception("stopping filter %s", f.name)
+                        log.exception("stopping %s", name)
             await bundle.accountant.stop()
             await fleet.stop()
             await client.aclose()
