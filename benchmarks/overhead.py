@@ -10,6 +10,12 @@ never the bottleneck: it parses just enough (Content-Length or chunked framing) 
 response ends, and checks every stream carried all 16 content events and [DONE].
 
     python benchmarks/overhead.py [--duration 8] [--accounting off] [--markdown FILE] [--json FILE]
+        [--variant NAME=SRC_DIR[:filter+filter...]] ...
+
+Each ``--variant`` is a gateway measured in the same run, interleaved with the others at every point:
+SRC_DIR is a checkout of usefulwork (``.`` for this one; a ``git worktree`` of an older commit for a
+before/after comparison) and the optional filter list is put in its config (``noop+noop+noop+noop``
+measures what four filters cost). Without ``--variant``: one variant, this checkout, no filters.
 
 Besides latency, it reports the gateway's CPU time per request (utime + stime of the gateway process
 over the run, from /proc, divided by requests): robust to other load on the machine, where
@@ -139,6 +145,12 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def parse_variant(spec: str) -> tuple[str, Path, list[str]]:
+    name, _, rest = spec.partition("=")
+    src, _, filters = rest.partition(":")
+    return name, (Path(src) if src else ROOT).resolve(), [f for f in filters.split("+") if f]
+
+
 def gateway_child(config_path: str, port: int, accounting: str) -> None:
     """Run the gateway in this process (used as the benchmark's gateway subprocess)."""
     from usefulwork.config import load
@@ -174,6 +186,8 @@ def main() -> int:
     ap.add_argument("--client-core", default="1")
     ap.add_argument("--accounting", choices=["on", "off"], default="on",
                     help="off: a no-op accountant, to measure the proxy alone")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="NAME=SRC_DIR[:filter+filter...]: a gateway to measure (repeatable; see the module doc)")
     ap.add_argument("--gateway-child", nargs=2, metavar=("CONFIG", "PORT"), help=argparse.SUPPRESS)
     ap.add_argument("--markdown", type=Path, help="write the results table to this file")
     ap.add_argument("--json", type=Path, help="write raw results here")
@@ -182,41 +196,54 @@ def main() -> int:
         gateway_child(args.gateway_child[0], int(args.gateway_child[1]), args.accounting)
         return 0
     conc = [int(c) for c in args.concurrency.split(",")]
-    mock_port, gw_port = free_port(), free_port()
+    variants = [parse_variant(v) for v in args.variant] or [("gateway", ROOT, [])]
+    mock_port = free_port()
     procs = []
     tmp = Path(tempfile.mkdtemp(prefix="uw-overhead-"))
     try:
         procs.append(subprocess.Popen(["taskset", "-c", args.client_core, sys.executable,
                                        str(ROOT / "benchmarks" / "mock_openai.py"), "--port", str(mock_port)]))
-        cfg = tmp / "gw.yaml"
-        cfg.write_text(json.dumps({"pools": [{"name": "mock", "models": ["mock"],
-                                              "replicas": [f"http://127.0.0.1:{mock_port}"]}],
-                                   "timeouts": {"health_interval_s": 5}}))
-        gw = subprocess.Popen(["taskset", "-c", args.gateway_core, sys.executable, str(Path(__file__).resolve()),
-                               "--accounting", args.accounting, "--gateway-child", str(cfg), str(gw_port)],
-                              stdout=open(tmp / "gw.log", "wb"), stderr=subprocess.STDOUT)
-        procs.append(gw)
+        gateways = {}
+        for name, src, filters in variants:
+            cfg = tmp / f"{name}.yaml"
+            cfg_tree: dict = {"pools": [{"name": "mock", "models": ["mock"],
+                                         "replicas": [f"http://127.0.0.1:{mock_port}"]}],
+                              "timeouts": {"health_interval_s": 5}}
+            if filters:
+                cfg_tree["filters"] = filters
+            cfg.write_text(json.dumps(cfg_tree))
+            port = free_port()
+            # The variant's own checkout provides both the gateway and its child entry point.
+            gw = subprocess.Popen(["taskset", "-c", args.gateway_core, sys.executable,
+                                   str(src / "benchmarks" / "overhead.py"), "--accounting", args.accounting,
+                                   "--gateway-child", str(cfg), str(port)],
+                                  stdout=open(tmp / f"{name}.log", "wb"), stderr=subprocess.STDOUT,
+                                  env={**os.environ, "PYTHONPATH": str(src)}, cwd=src)
+            procs.append(gw)
+            gateways[name] = (gw, port)
         wait_http(f"http://127.0.0.1:{mock_port}/health")
-        wait_http(f"http://127.0.0.1:{gw_port}/readyz")
+        for _, port in gateways.values():
+            wait_http(f"http://127.0.0.1:{port}/readyz")
         rows = []
         for stream in (False, True):
             for c in conc:
                 direct = run_load_process(mock_port, stream, c, args.duration, args.client_core)
-                cpu0 = cpu_seconds(gw.pid)
-                via = run_load_process(gw_port, stream, c, args.duration, args.client_core)
-                # includes the 1 s warm-up's requests in the CPU but not in the count: an upper bound
-                via["cpu_us_per_req"] = (cpu_seconds(gw.pid) - cpu0) / max(via["requests"], 1) * 1e6
-                row = {"mode": "stream-16" if stream else "unary", "concurrency": c, "direct": direct, "gateway": via,
-                       "added_p50_ms": via["p50_ms"] - direct["p50_ms"],
-                       "added_p99_ms": via["p99_ms"] - direct["p99_ms"]}
-                rows.append(row)
-                print(f"{row['mode']:>9} c={c:<3} direct {direct['rps']:8.0f} req/s p50 {direct['p50_ms']:.3f} "
-                      f"p99 {direct['p99_ms']:.3f} | gateway {via['rps']:8.0f} req/s p50 {via['p50_ms']:.3f} "
-                      f"p99 {via['p99_ms']:.3f} | added p50 {row['added_p50_ms']:.3f} ms p99 {row['added_p99_ms']:.3f} ms"
-                      f" | gateway CPU {via['cpu_us_per_req']:.0f} us/req"
-                      f" | errors {direct['errors']}/{via['errors']}", flush=True)
-                if via["errors"] or direct["errors"]:
-                    print("   sample error:", via["sample_error"] or direct["sample_error"])
+                for name, (gw, port) in gateways.items():
+                    cpu0 = cpu_seconds(gw.pid)
+                    via = run_load_process(port, stream, c, args.duration, args.client_core)
+                    # includes the 1 s warm-up's requests in the CPU but not in the count: an upper bound
+                    via["cpu_us_per_req"] = (cpu_seconds(gw.pid) - cpu0) / max(via["requests"], 1) * 1e6
+                    row = {"variant": name, "mode": "stream-16" if stream else "unary", "concurrency": c,
+                           "direct": direct, "gateway": via, "added_p50_ms": via["p50_ms"] - direct["p50_ms"],
+                           "added_p99_ms": via["p99_ms"] - direct["p99_ms"]}
+                    rows.append(row)
+                    print(f"{name:>10} {row['mode']:>9} c={c:<3} direct {direct['rps']:8.0f} req/s p50 "
+                          f"{direct['p50_ms']:.3f} p99 {direct['p99_ms']:.3f} | gateway {via['rps']:8.0f} req/s p50 "
+                          f"{via['p50_ms']:.3f} p99 {via['p99_ms']:.3f} | added p50 {row['added_p50_ms']:.3f} ms p99 "
+                          f"{row['added_p99_ms']:.3f} ms | gateway CPU {via['cpu_us_per_req']:.0f} us/req"
+                          f" | errors {direct['errors']}/{via['errors']}", flush=True)
+                    if via["errors"] or direct["errors"]:
+                        print("   sample error:", via["sample_error"] or direct["sample_error"])
     finally:
         for p in procs:
             p.terminate()
@@ -230,11 +257,11 @@ def main() -> int:
         lines = [f"Command: `{meta['command']}`  ", f"Date: {meta['date']}; machine: {meta['machine']}; gateway: one "
                  f"uvicorn worker pinned to core {args.gateway_core}; mock + load generator on core {args.client_core}; "
                  f"{args.duration:.0f} s per point.", "",
-                 "| mode | conc. | direct req/s | gateway req/s | direct p50 / p99 ms | gateway p50 / p99 ms | added p50 ms | added p99 ms | gateway CPU us/req |",
-                 "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                 "| variant | mode | conc. | direct req/s | gateway req/s | direct p50 / p99 ms | gateway p50 / p99 ms | added p50 ms | added p99 ms | gateway CPU us/req |",
+                 "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in rows:
             d, g = r["direct"], r["gateway"]
-            lines.append(f"| {r['mode']} | {r['concurrency']} | {d['rps']:.0f} | {g['rps']:.0f} | {d['p50_ms']:.3f} / "
+            lines.append(f"| {r['variant']} | {r['mode']} | {r['concurrency']} | {d['rps']:.0f} | {g['rps']:.0f} | {d['p50_ms']:.3f} / "
                          f"{d['p99_ms']:.3f} | {g['p50_ms']:.3f} / {g['p99_ms']:.3f} | {r['added_p50_ms']:.3f} | "
                          f"{r['added_p99_ms']:.3f} | {g['cpu_us_per_req']:.0f} |")
         args.markdown.parent.mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,7 @@ class KillableForwarder:
         self.writers: set[asyncio.StreamWriter] = set()
         self.port = 0
         self.connections = 0
+        self.drop_replies = False  # set: answers are lost on the way back (the request was served)
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
     @property
@@ -34,9 +35,12 @@ class KillableForwarder:
         self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
         self.port = self.server.sockets[0].getsockname()[1]
 
-    async def _pipe(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+    async def _pipe(self, r: asyncio.StreamReader, w: asyncio.StreamWriter, reply: bool = False) -> None:
         try:
             while data := await r.read(65536):
+                if reply and self.drop_replies:
+                    w.transport.abort()  # the target did the work; its answer never arrives
+                    return
                 w.write(data)
                 await w.drain()
         except (ConnectionError, asyncio.CancelledError):
@@ -52,7 +56,7 @@ class KillableForwarder:
             cw.close()
             return
         self.writers.update((cw, uw))
-        await asyncio.gather(self._pipe(cr, uw), self._pipe(ur, cw))
+        await asyncio.gather(self._pipe(cr, uw), self._pipe(ur, cw, reply=True))
 
     async def _kill(self) -> None:
         if self.server:
@@ -74,3 +78,72 @@ class KillableForwarder:
         self.kill()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)
+
+
+class FaultUpstream:
+    """A vLLM stand-in that misbehaves on purpose, on its own thread and event loop.
+
+    ``GET /health`` and ``GET /metrics`` answer 200 (so the gateway's fleet marks it healthy);
+    every other request is read whole (head and Content-Length body) and handed to
+    ``respond(head, body, writer)``, an async function that writes whatever the fault calls for
+    and returns True to keep the connection open for the next request. ``posts`` counts the
+    non-probe requests received.
+    """
+
+    def __init__(self, respond):
+        self.respond = respond
+        self.loop = asyncio.new_event_loop()
+        self.server: asyncio.base_events.Server | None = None
+        self.port = 0
+        self.posts = 0
+        self.heads: list[bytes] = []
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "FaultUpstream":
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
+        return self
+
+    async def _start(self) -> None:
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0, limit=1 << 20)
+        self.port = self.server.sockets[0].getsockname()[1]
+
+    async def _handle(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await r.readuntil(b"\r\n\r\n")
+                n = 0
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        n = int(line.split(b":", 1)[1])
+                body = await r.readexactly(n) if n else b""
+                if head.startswith((b"GET /health ", b"GET /metrics ")):
+                    w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+                    await w.drain()
+                    continue
+                self.posts += 1
+                self.heads.append(head)
+                if not await self.respond(head, body, w):
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
+            pass
+        finally:
+            w.close()
+
+    def close(self) -> None:
+        async def stop() -> None:
+            if self.server:
+                self.server.close()
+        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+
+
+def json_response(status: int, body: bytes, extra: bytes = b"") -> bytes:
+    """A complete keep-alive HTTP/1.1 response with a JSON body."""
+    return (b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n%s"
+            % (status, len(body), extra, body))

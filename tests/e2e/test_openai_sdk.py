@@ -131,3 +131,27 @@ def test_health_ready_metrics(gateway, vllm_server):
     assert ready["ready"] is True
     text = httpx.get(gateway.url + "/metrics").text
     assert f'usefulwork_replica_up{{pool="local",replica="{vllm_server.base_url}"}} 1.0' in text
+
+
+def test_responses_api_non_streaming_is_proxied_and_booked(client, gateway, vllm_server):
+    r = client.responses.create(model=vllm_server.model, input="Say hello.", max_output_tokens=8)
+    assert r.output_text and r.usage.input_tokens > 0 and 0 < r.usage.output_tokens <= 8
+
+
+def test_responses_api_stream_reaches_response_completed_with_usage(client, vllm_server):
+    types, final = [], None
+    with client.responses.create(model=vllm_server.model, input="Count to three.", max_output_tokens=8,
+                                 stream=True) as stream:
+        for event in stream:
+            types.append(event.type)
+            if event.type == "response.completed":
+                final = event.response
+    assert types[0] == "response.created" and "response.output_text.delta" in types
+    assert types[-1] == "response.completed" and final.usage.output_tokens > 0
+
+
+def test_responses_api_helper_stream(client, vllm_server):
+    with client.responses.stream(model=vllm_server.model, input="Say hi.", max_output_tokens=6) as stream:
+        text = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+        final = stream.get_final_response()
+    assert text == final.output_text and final.usage.total_tokens > 0

@@ -16,6 +16,7 @@ Times are ``time.perf_counter`` seconds; the runner turns them into offsets from
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -46,6 +47,7 @@ class RequestResult:
     chunks: int = 0
     usage_seen: bool = False
     error: str = ""
+    request_id: str = ""  # sent as x-request-id: joins this result with the gateway's ledger record
     group: str = ""  # the client mix entry that sent it (tenant / priority), "" for a single client
     retries: int = 0  # 429s it waited out (honouring Retry-After) before its last attempt
     first_retry: str = ""  # outcome of the first retry: "admitted" or "shed" ("" when none)
@@ -53,6 +55,7 @@ class RequestResult:
     shed_s: float = 0.0  # send -> the first 429's answer (how early admission said no)
     shed_reason: str = ""  # x-usefulwork-shed-reason of the first 429
     wait_s: float = 0.0  # Retry-After of the latest 429
+    text: list[str] | None = None  # the generated text, kept only when asked (paired replay compares outputs)
 
     @property
     def schedule_lag(self) -> float:
@@ -124,6 +127,9 @@ async def _stream(client: httpx.AsyncClient, url: str, body: bytes, headers: dic
             now = time.perf_counter()
             choices = obj.get("choices")
             if choices and _has_text(choices[0]):
+                if res.text is not None:
+                    c = choices[0]
+                    res.text.append(c.get("text") or (c.get("delta") or {}).get("content") or "")
                 if res.chunks == 0:
                     res.ttft = now - t_send
                 else:
@@ -163,7 +169,8 @@ def _note_shed(res: RequestResult, headers: httpx.Headers, after_s: float) -> No
 
 async def send(client: httpx.AsyncClient, base_url: str, spec: RequestSpec, model: str, *, timeout_s: float,
                clock0: float, planned: float, api_key: str | None = None, headers: dict[str, str] | None = None,
-               group: str = "", honor_retry_after: bool = False, max_retries: int = 3) -> RequestResult:
+               group: str = "", honor_retry_after: bool = False, max_retries: int = 3,
+               keep_text: bool = False) -> RequestResult:
     """Send one streaming request; never raises (every failure becomes an outcome).
 
     With ``honor_retry_after`` a 429 that carries Retry-After is waited out and retried (up to
@@ -171,9 +178,10 @@ async def send(client: httpx.AsyncClient, base_url: str, spec: RequestSpec, mode
     first send, as the user lives them.
     """
     res = RequestResult(index=spec.index, kind=spec.kind, planned=planned, planned_input_tokens=spec.input_tokens,
-                        group=group)
+                        group=group, text=[] if keep_text else None)
     path = "/v1/chat/completions" if spec.endpoint == "chat" else "/v1/completions"
-    hdrs = {"content-type": "application/json", **(headers or {})}
+    res.request_id = os.urandom(8).hex()
+    hdrs = {"content-type": "application/json", "x-request-id": res.request_id, **(headers or {})}
     if api_key:
         hdrs["authorization"] = f"Bearer {api_key}"
     body = orjson.dumps(spec.body(model))

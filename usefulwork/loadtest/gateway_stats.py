@@ -41,6 +41,15 @@ def delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     d["usd_per_1k_good"] = cost / d["good"] * 1e3 if d["good"] else None
     d["usd_per_1m_generated_tokens"] = cost / d["generated_tokens_ok"] * 1e6 if d["generated_tokens_ok"] else None
     d["fleet_usd_per_hour"] = sum(p.get("usd_per_hour", 0.0) for p in after.get("pools", {}).values())
+    cache_a, cache_b = (before.get("filters") or {}).get("cache"), (after.get("filters") or {}).get("cache")
+    if cache_a and cache_b:  # the cache filter's figures for the window (docs/caching.md)
+        seen = {k: cache_b["requests"][k] - cache_a["requests"].get(k, 0) for k in cache_b["requests"]}
+        n = sum(seen.values())
+        hits = seen.get("hit-exact", 0) + seen.get("hit-semantic", 0)
+        d["cache"] = {"requests": seen, "hit_share": hits / n if n else None,
+                      "saved_usd": cache_b["saved_usd"] - cache_a["saved_usd"],
+                      "cpu_ms_per_request": (cache_b["cpu_s"] - cache_a["cpu_s"]) * 1e3 / n if n else None,
+                      "embed_ms_per_request": (cache_b["embed_s"] - cache_a["embed_s"]) * 1e3 / n if n else None}
     return d
 
 

@@ -173,6 +173,7 @@ def per_request_arrays(results: Sequence[RequestResult]) -> dict[str, list[Any]]
         "planned_times": [r.planned for r in results],
         "end_times": [r.end for r in results],
         "kinds": [r.kind for r in results],
+        "request_ids": [r.request_id for r in results],
     }
 
 

@@ -81,7 +81,7 @@ def test_judge_slo():
 
 
 async def test_every_outcome_gets_one_record_with_costs_and_stop_flushes_all():
-    acc, sink, clock = make_accountant()
+    acc, sink, clock = make_accountant(make_cfg(ledger={"flush_interval_s": 0.05, "max_hold_s": 30}))
     acc.fleet.replicas[0].inflight = 1  # a request still running somewhere: settlement holds back
     await acc.start()
     outcomes = ["ok", "ok", "shed", "error", "client_cancelled", "timeout", "rejected"]
@@ -122,15 +122,15 @@ async def test_idle_fleet_settles_at_once_busy_fleet_holds_back():
     acc.fleet.replicas[1].inflight = 2
     acc.finish(ctx_at(T0 + 5, dur=1.0))
     await asyncio.sleep(0.3)
-    assert len(sink.records) == 1  # busy: held for settle_hold_s (30 s) in case a long request ends
-    clock.t = T0 + 40
+    assert len(sink.records) == 1  # busy: held for ledger.max_hold_s (5 s) in case a long request ends
+    clock.t = T0 + 15  # its work went into the first open interval [8, 9): settled once now - 5 s >= 9
     await asyncio.sleep(0.3)
     assert len(sink.records) == 2
     await acc.stop()
 
 
 async def test_records_wait_for_the_oldest_running_request_when_starts_are_reported():
-    acc, sink, clock = make_accountant()
+    acc, sink, clock = make_accountant(make_cfg(ledger={"flush_interval_s": 0.05, "max_hold_s": 600}))
     await acc.start()
     long_req = ctx_at(T0 + 1, dur=30.0)
     acc.begin(long_req)
@@ -235,3 +235,68 @@ async def test_failing_sink_is_retried_and_the_other_sink_is_not_held_up():
     await asyncio.sleep(0.3)
     assert flaky.records == good.records
     await acc.stop()
+
+
+async def test_stop_keeps_the_batch_a_slow_estimate_is_working_on():
+    """Issue #9.1: stop() used to cancel the pass holding a batch (a tokenizer loading): all dropped."""
+    from usefulwork.gateway.accounting.tokens import TokenEstimator
+
+    class SlowEstimator(TokenEstimator):  # fault: the first estimate takes long, as a tokenizer load does
+        loaded = False
+
+        def count_prompt(self, payload):
+            if not self.loaded:
+                import time
+                time.sleep(0.6)
+                self.loaded = True
+            return 7
+
+    acc, sink, clock = make_accountant()
+    acc.estimator = SlowEstimator()
+    await acc.start()
+    for _ in range(20):
+        c = ctx_at(T0 + 1, prompt=0, completion=0, outcome="rejected", status_code=429)
+        c.prompt_payload = [{"role": "user", "content": "hi"}]
+        acc.finish(c)
+    await asyncio.sleep(0.2)  # the background pass has taken the batch and is estimating
+    assert acc.snapshot()["ledger"]["queued"] == 0
+    await acc.stop()
+    recs = records(sink)
+    assert len(recs) == 20
+    assert {r["prompt_tokens"] for r in recs} == {7}
+
+
+async def test_one_open_request_does_not_hold_back_later_records():
+    """Issue #9.3: a request still open (forwarded or not) held every later record for up to 600 s."""
+    acc, sink, clock = make_accountant()
+    assert acc.cfg.ledger.max_hold_s == 5.0
+    await acc.start()
+    never_forwarded = ctx_at(T0 + 1, dur=1.0)
+    never_forwarded.t_forwarded = None  # a client still sending its body: it cannot hold GPU work
+    acc.begin(never_forwarded)
+    for i in range(50):
+        done = ctx_at(T0 + 2 + i * 0.01, dur=0.5)
+        acc.begin(done)
+        acc.finish(done)
+    clock.t = T0 + 6
+    await asyncio.sleep(0.3)
+    assert len(sink.records) == 50  # only the 2-interval grace held them
+    streaming = ctx_at(T0 + 6, dur=300.0)  # forwarded and still streaming
+    acc.begin(streaming)
+    for i in range(50):
+        done = ctx_at(T0 + 7 + i * 0.01, dur=0.5)
+        acc.begin(done)
+        acc.finish(done)
+    bound = acc.cfg.ledger.max_hold_s + acc.cfg.cost.interval_s + acc.cfg.ledger.flush_interval_s
+    clock.t = T0 + 7.5 + bound
+    await asyncio.sleep(0.3)
+    assert len(sink.records) == 100
+    acc.finish(streaming)
+    acc.finish(never_forwarded)
+    await acc.stop()
+    recs = records(sink)
+    assert len(recs) == 102
+    # the long stream's early work moved past the frontier, but nothing was lost: conservation holds
+    idle = sum(m.idle_usd for m in acc.meters.values())
+    fleet_cost = sum(m.rate * (m.closed_at - m.started_at) for m in acc.meters.values())
+    assert sum(r["gpu_cost_usd"] for r in recs) + idle == pytest.approx(fleet_cost, abs=1e-9, rel=0)

@@ -26,7 +26,7 @@ def _points(reader: InMemoryMetricReader) -> dict[str, list]:
 
 async def _run(cfg, ctxs, clock_end: float):
     acc, sink, clock = make_accountant(cfg)
-    acc.fleet.replicas[0].inflight = 1  # busy fleet: settlement holds back settle_hold_s
+    acc.fleet.replicas[0].inflight = 1  # busy fleet: settlement holds back ledger.max_hold_s
     reader, spans = InMemoryMetricReader(), InMemorySpanExporter()
     acc.telemetry = Telemetry(cfg, acc.meters, prometheus=True, metric_readers=[reader], span_exporters=[spans],
                               clock=clock)
@@ -100,8 +100,8 @@ async def test_gpu_attributed_and_idle_cost_counters_add_up_to_the_fleet_cost():
     for p in pts["usefulwork.cost.usd"]:
         by_view[p.attributes["view"]] = by_view.get(p.attributes["view"], 0.0) + p.value
     settled_cost = by_view["gpu_attributed"] + by_view["gpu_idle"]
-    # settled so far = fleet cost up to the frontier (now - settle hold)
-    assert settled_cost == pytest.approx((3.6 + 7.2) / 3600 * (100 - 30), abs=1e-9)
+    # settled so far = fleet cost up to the frontier (now - the longest hold, ledger.max_hold_s)
+    assert settled_cost == pytest.approx((3.6 + 7.2) / 3600 * (100 - cfg.ledger.max_hold_s), abs=1e-9)
     assert by_view["gpu_attributed"] > 0
 
 

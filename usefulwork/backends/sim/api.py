@@ -1,7 +1,9 @@
 """The simulated server's HTTP API: vLLM's OpenAI-compatible endpoints, /health and /metrics.
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
-GET /metrics, GET /version, GET /sim/info (simulator-only: the resolved spec).
+Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses (the Responses API,
+streamed as typed events), POST /v1/embeddings (a deterministic vector per input, timed as a
+prefill), GET /v1/models, GET /health, GET /metrics, GET /version, GET /sim/info (simulator-only:
+the resolved spec).
 
 The handlers validate like vLLM (same error JSON shape and status codes), hand the request to the
 engine and wait on a per-request sink. Streams coalesce every token that arrived since the last
@@ -216,6 +218,33 @@ class SimServer:
             ignore_eos=bool(body.get("ignore_eos", False)), logprobs=lp, seed=_int_or_none(body.get("seed")),
         )
 
+    def parse_responses(self, body: dict[str, Any]) -> ParsedRequest:
+        """``/v1/responses``: ``input`` (a string or message items) and ``instructions`` -> a chat prompt."""
+        self._check_model(body)
+        self._common(body)
+        inp = body.get("input")
+        if isinstance(inp, str):
+            messages = [{"role": "user", "content": inp}]
+        elif isinstance(inp, list) and inp and all(isinstance(m, dict) for m in inp):
+            messages = [{"role": m.get("role", "user"), "content": _item_text(m.get("content"))} for m in inp]
+        else:
+            raise APIError(400, "input must be a string or a non-empty list of input items.", param="input")
+        if isinstance(body.get("instructions"), str):
+            messages.insert(0, {"role": "system", "content": body["instructions"]})
+        ids = self.tokenizer.encode_chat(messages)
+        self._check_prompt_len(len(ids))
+        limit = body.get("max_output_tokens")
+        return ParsedRequest(kind="responses", prompt_ids=ids,
+                             max_tokens=self._max_tokens({"max_tokens": limit}, len(ids), "responses"),
+                             stream=bool(body.get("stream", False)), include_usage=True, continuous_usage=False,
+                             ignore_eos=bool(body.get("ignore_eos", False)), logprobs=None,
+                             seed=_int_or_none(body.get("seed")))
+
+    def responses_usage(self, req: SimRequest) -> dict[str, Any]:
+        p, c = req.num_prompt_tokens, req.num_output_tokens
+        return {"input_tokens": p, "input_tokens_details": {"cached_tokens": max(0, req.num_cached_tokens)},
+                "output_tokens": c, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": p + c}
+
     # -- responses --
     def usage(self, req: SimRequest) -> dict[str, Any]:
         p, c = req.num_prompt_tokens, req.num_output_tokens
@@ -259,6 +288,21 @@ class SimServer:
     def text(self, token_ids: list[int]) -> str:
         piece = self.tokenizer.piece
         return "".join(piece(t).text for t in token_ids)
+
+
+def _item_text(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content if isinstance(content, str) else ""
+
+
+def embedding_of(token_ids: list[int], dim: int = 384) -> list[float]:
+    """A deterministic unit vector per token sequence (same input, same vector; no model behind it)."""
+    import numpy as np  # noqa: PLC0415
+
+    seed = int.from_bytes(orjson.dumps(token_ids)[-8:].ljust(8, b"\0"), "little") ^ len(token_ids)
+    v = np.random.default_rng(seed).standard_normal(dim)
+    return (v / np.linalg.norm(v)).round(6).tolist()
 
 
 def _int_or_none(v: Any) -> int | None:
@@ -426,6 +470,96 @@ def build_app(server: SimServer) -> Starlette:
         return {"prompt_tokens": req.num_prompt_tokens, "total_tokens": req.num_prompt_tokens + sent,
                 "completion_tokens": sent}
 
+    async def responses(request: Request) -> Response:
+        try:
+            parsed = server.parse_responses(await _body(request))
+        except APIError as e:
+            return error_response(e.status, e.message, e.type, e.param)
+        sink = StreamSink()
+        rid = "resp_" + uuid.uuid4().hex
+        req = server.runner.submit(parsed.prompt_ids, parsed.max_tokens, ignore_eos=parsed.ignore_eos, seed=parsed.seed,
+                                   sink=sink, request_id=rid)
+        created = int(time.time())
+        msg_id = "msg_" + uuid.uuid4().hex
+
+        def response_obj(status: str, text: str | None, usage: dict[str, Any] | None) -> dict[str, Any]:
+            output = [] if text is None else [{"id": msg_id, "type": "message", "role": "assistant", "status": "completed",
+                                               "content": [{"type": "output_text", "text": text, "annotations": []}]}]
+            return {"id": rid, "object": "response", "created_at": created, "model": server.served_model_name,
+                    "status": status, "output": output, "usage": usage, "error": None,
+                    "incomplete_details": {"reason": "max_output_tokens"} if req.finish_reason == "length" and text is not None
+                    else None, "parallel_tool_calls": True, "tool_choice": "none", "tools": []}
+
+        def event(seq: int, obj: dict[str, Any]) -> bytes:
+            obj["sequence_number"] = seq
+            return b"event: " + obj["type"].encode() + b"\ndata: " + orjson.dumps(obj) + b"\n\n"
+
+        async def stream() -> AsyncIterator[bytes]:
+            seq = 0
+            text = ""
+            try:
+                for obj in ({"type": "response.created", "response": response_obj("in_progress", None, None)},
+                            {"type": "response.output_item.added", "output_index": 0,
+                             "item": {"id": msg_id, "type": "message", "role": "assistant", "status": "in_progress",
+                                      "content": []}},
+                            {"type": "response.content_part.added", "item_id": msg_id, "output_index": 0,
+                             "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": []}}):
+                    yield event(seq, obj)
+                    seq += 1
+                while True:
+                    new, done = await sink.drain()
+                    if new:
+                        delta = server.text(new)
+                        text += delta
+                        yield event(seq, {"type": "response.output_text.delta", "item_id": msg_id, "output_index": 0,
+                                          "content_index": 0, "delta": delta, "logprobs": []})
+                        seq += 1
+                    if done:
+                        break
+                final = response_obj("completed", text, server.responses_usage(req))
+                for obj in ({"type": "response.output_text.done", "item_id": msg_id, "output_index": 0,
+                             "content_index": 0, "text": text, "logprobs": []},
+                            {"type": "response.output_item.done", "output_index": 0, "item": final["output"][0]},
+                            {"type": "response.completed", "response": final}):
+                    yield event(seq, obj)
+                    seq += 1
+            finally:
+                if not sink.finished:
+                    server.runner.abort(req)
+
+        if parsed.stream:
+            return StreamingResponse(stream(), media_type="text/event-stream")
+        tokens = await _collect(request, req, sink)
+        if tokens is None:
+            return Response(status_code=499)
+        return _json(response_obj("completed", server.text(tokens), server.responses_usage(req)))
+
+    async def embeddings(request: Request) -> Response:
+        try:
+            body = await _body(request)
+            server._check_model(body)
+            inp = body.get("input")
+            items = [inp] if isinstance(inp, str) or (isinstance(inp, list) and inp and isinstance(inp[0], int)) else inp
+            if not isinstance(items, list) or not items:
+                raise APIError(400, "input must be a string, a list of strings, or token id lists.", param="input")
+            ids = [server.tokenizer.encode(x, add_special_tokens=True) if isinstance(x, str) else list(x) for x in items]
+            for one in ids:
+                server._check_prompt_len(len(one))
+        except APIError as e:
+            return error_response(e.status, e.message, e.type, e.param)
+        # Timed as the prefill it is: one token generated per input, then discarded.
+        for one in ids:
+            sink = StreamSink()
+            req = server.runner.submit(one, 1, ignore_eos=True, seed=None, sink=sink,
+                                       request_id="embd-" + uuid.uuid4().hex)
+            if await _collect(request, req, sink) is None:
+                return Response(status_code=499)
+        n = sum(len(one) for one in ids)
+        return _json({"object": "list", "model": server.served_model_name,
+                      "data": [{"object": "embedding", "index": i, "embedding": embedding_of(one)}
+                               for i, one in enumerate(ids)],
+                      "usage": {"prompt_tokens": n, "total_tokens": n}})
+
     async def models(request: Request) -> Response:
         return _json({"object": "list", "data": [{
             "id": server.served_model_name, "object": "model", "created": server.created, "owned_by": "vllm",
@@ -476,6 +610,8 @@ def build_app(server: SimServer) -> Starlette:
         routes=[
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/responses", responses, methods=["POST"]),
+            Route("/v1/embeddings", embeddings, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics_route, methods=["GET"]),

@@ -11,9 +11,16 @@ and, per batch:
    ``gpu_cost_usd``; completed records go to the sinks (JSONL, Redis Stream) in one write each.
 
 A record therefore reaches the sinks once its GPU-time share is final: shortly after the request
-ends when the gateway reports request starts (``begin``) or when no replica has a request in
-flight, else after ``settle_hold_s``. ``stop()``
-settles everything up to now and flushes every sink, so a SIGTERM loses nothing.
+ends, and never later than ``ledger.max_hold_s`` (+ one interval + one flush) however long other
+requests keep running: past that hold, work a still-running request did before the frontier is
+booked after it instead (totals stay conserved). Requests not yet forwarded upstream (a client
+still sending its body) hold nothing back. So a SIGKILL loses at most the records of requests that
+ended within that bound (docs/reliability.md).
+
+``stop()`` lets the pass in progress finish (a slow token estimate included), accounts whatever is
+still queued, settles everything up to now and flushes every sink, so a clean stop loses nothing a
+sink accepts; a sink that does not answer is given up on after ``ledger.shutdown_timeout_s`` and the
+log says how many records it did not confirm.
 """
 
 from __future__ import annotations
@@ -38,8 +45,7 @@ from usefulwork.gateway.accounting.tokens import TokenEstimator
 log = logging.getLogger("usefulwork.ledger")
 
 MAX_BACKLOG = 200_000  # records kept per failing sink before the oldest are dropped (and counted)
-MAX_HOLD_S = 600.0
-YIELD_EVERY_S = 0.0005  # longest stretch the background pass holds the event loop  # never hold a record longer than this waiting for a slow request to finish
+YIELD_EVERY_S = 0.0005  # longest stretch the background pass holds the event loop
 
 
 def judge_slo(slo: SLO, ctx: RequestContext) -> bool | None:
@@ -76,8 +82,12 @@ def to_record(ctx: RequestContext, work: float) -> dict:
         "replica": ctx.replica,
         "route": ctx.route,
         "route_reason": ctx.route_reason,
+        "escalated": ctx.escalated,
+        "discarded_tokens": ctx.discarded_tokens,
+        "discarded_cost_usd": ctx.discarded_cost_usd,
         "attempts": ctx.attempts,
         "cache": ctx.cache,
+        "saved_usd": ctx.saved_usd,
         "priority": ctx.priority,
         "admission": ctx.admission,
         "queue_ms": _r(ctx.queue_ms),
@@ -105,12 +115,13 @@ class Ledger:
 
     def __init__(self, cfg: Config, fleet: Fleet, sinks: list[Sink], *, telemetry: Telemetry | None = None,
                  estimator: TokenEstimator | None = None, meters: dict[str, PoolMeter] | None = None,
-                 clock: Callable[[], float] = time.time, settle_hold_s: float = 30.0):
+                 clock: Callable[[], float] = time.time, settle_hold_s: float | None = None):
         self.cfg = cfg
         self.fleet = fleet
         self.sinks = sinks
         self.clock = clock
-        self.settle_hold_s = settle_hold_s
+        # how long settlement may wait for running requests (the bound on a record's delay)
+        self.settle_hold_s = cfg.ledger.max_hold_s if settle_hold_s is None else settle_hold_s
         self.meters = meters if meters is not None else {
             name: PoolMeter(name, ps.cfg.usd_per_hour, ps.started_at, cfg.cost.interval_s)
             for name, ps in fleet.pools.items()}
@@ -119,14 +130,16 @@ class Ledger:
         self.estimator = estimator or TokenEstimator()
         self._pools = {p.name: p for p in cfg.pools}
         self._queue: deque[RequestContext] = deque()
-        self._inflight: dict[int, float] = {}  # id(ctx): client-given request ids may repeat
+        self._inflight: dict[int, RequestContext] = {}  # id(ctx): client-given request ids may repeat
         self._tracks_starts = False
         self._held: dict[int, tuple[Share, dict]] = {}
         self._backlog: dict[str, list[bytes]] = {s.name: [] for s in sinks}
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._stopped = False
+        self._deadline: float | None = None  # monotonic; set by stop(): sink writes give up by then
         self.written: dict[str, int] = {s.name: 0 for s in sinks}
+        self._last_error: dict[str, str] = {}
         self.records_dropped = 0
         self.finished = 0
         self.filter_stats: dict[str, Callable[[], dict]] = {}  # name -> the filter's stats() (set by the app)
@@ -135,7 +148,7 @@ class Ledger:
     def begin(self, ctx: RequestContext) -> None:
         """Optional: a request started. Lets settlement wait exactly for the oldest running request."""
         self._tracks_starts = True
-        self._inflight[id(ctx)] = ctx.wall_start
+        self._inflight[id(ctx)] = ctx
 
     def finish(self, ctx: RequestContext) -> None:
         self._inflight.pop(id(ctx), None)
@@ -150,26 +163,29 @@ class Ledger:
             self._task = asyncio.create_task(self._loop(), name="usefulwork-ledger")
 
     async def stop(self) -> None:
-        """Account for everything still queued, settle all GPU time up to now, flush every sink."""
+        """Account for everything still queued, settle all GPU time up to now, flush every sink.
+
+        The pass in progress is never cancelled (it may hold a batch it took off the queue); it
+        finishes, then a final pass runs. Sink writes give up at ``ledger.shutdown_timeout_s``.
+        """
         if self._stopped:
             return
         self._stopped = True
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
         try:
-            await self._process(final=True)
-            for _ in range(3):  # a sink that hiccups at shutdown gets a few more chances
-                if not any(self._backlog.values()):
-                    break
-                await asyncio.sleep(0.2)
+            if self._task is not None:
+                self._wake.set()
+                await self._task  # ends after its current pass
+            await self._process(final=True, write=False)
+            self._deadline = time.monotonic() + self.cfg.ledger.shutdown_timeout_s
+            await self._write_sinks()
+            while any(self._backlog.values()) and time.monotonic() < self._deadline:
+                await asyncio.sleep(0.2)  # a sink that hiccups at shutdown gets more chances, within the bound
                 await self._write_sinks()
-            lost = sum(len(b) for b in self._backlog.values())
-            if lost:
-                log.error("ledger: %d records could not be written at shutdown", lost)
+            for name, backlog in self._backlog.items():
+                if backlog:
+                    log.error("ledger sink %s: %d records not confirmed at shutdown (last error: %s); "
+                              "a write that timed out may still have landed (records carry an idempotency key)",
+                              name, len(backlog), self._last_error.get(name, "none"))
         finally:
             for sink in self.sinks:
                 try:
@@ -181,12 +197,14 @@ class Ledger:
 
     async def _loop(self) -> None:
         interval = self.cfg.ledger.flush_interval_s
-        while True:
+        while not self._stopped:
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout=interval)
             except asyncio.TimeoutError:
                 pass
             self._wake.clear()
+            if self._stopped:
+                return  # stop() runs the final pass
             try:
                 await self._process()
             except asyncio.CancelledError:
@@ -195,27 +213,38 @@ class Ledger:
                 log.exception("ledger pass failed")
 
     # -- the background work --
-    async def _process(self, final: bool = False) -> None:
+    async def _process(self, final: bool = False, write: bool = True) -> None:
         batch: list[RequestContext] = []
         while self._queue:
             batch.append(self._queue.popleft())
         if batch:
-            need = [c for c in batch if c.usage_source == "none" and (c.replica is not None or c.streamed_events)]
+            need = [c for c in batch if c.usage_source == "none" and not c.cache.startswith("hit")
+                    and (c.replica is not None or c.streamed_events)]
             if need:
-                await asyncio.to_thread(self._estimate, need)
+                try:
+                    await asyncio.to_thread(self._estimate, need)
+                except BaseException:  # cancelled (loop teardown): the batch goes back, never lost
+                    self._queue.extendleft(reversed(batch))
+                    raise
             ready: list[dict] = []
             clock = time.perf_counter
             slice_end = clock() + YIELD_EVERY_S
-            for ctx in batch:
-                self._account(ctx, ready)
-                if clock() >= slice_end:
-                    # Let requests run: a request waits behind at most one short slice at each of
-                    # its await points (a 256-record slice was a 20+ ms p99 spike; benchmarks/overhead.py).
-                    await asyncio.sleep(0)
-                    slice_end = clock() + YIELD_EVERY_S
-            self._enqueue(ready)
+            done = 0
+            try:
+                for ctx in batch:
+                    self._account(ctx, ready)
+                    done += 1
+                    if clock() >= slice_end:
+                        # Let requests run: a request waits behind at most one short slice at each of
+                        # its await points (a 256-record slice was a 20+ ms p99 spike; benchmarks/overhead.py).
+                        await asyncio.sleep(0)
+                        slice_end = clock() + YIELD_EVERY_S
+            finally:
+                self._queue.extendleft(reversed(batch[done:]))  # non-empty only when cancelled
+                self._enqueue(ready)
         self._settle(final)
-        await self._write_sinks()
+        if write:
+            await self._write_sinks()
 
     def _estimate(self, ctxs: list[RequestContext]) -> None:
         for ctx in ctxs:
@@ -260,6 +289,7 @@ class Ledger:
     def frontier(self, now: float) -> float:
         """Settle up to here: no running or not-yet-accounted request can still book work before it."""
         grace = 2 * self.cfg.cost.interval_s  # clock skew between perf_counter and wall clock spans
+        hold = max(self.settle_hold_s, grace)  # never hold a record longer than this for a running request
         # finished but still queued (they finished during this pass's awaits): not booked yet
         queued = min((c.wall_start for c in self._queue), default=now)
         if not self._tracks_starts:
@@ -267,9 +297,11 @@ class Ledger:
             # work (the gateway counts a request on its replica from before it is sent until after
             # its response ended), so settle up to now; otherwise hold back settle_hold_s.
             busy = any(r.inflight > 0 for r in self.fleet.replicas)
-            return min(now - (max(self.settle_hold_s, grace) if busy else grace), queued)
-        oldest = min(min(self._inflight.values(), default=now), queued)
-        return max(min(now - grace, oldest), now - MAX_HOLD_S)
+            return max(min(now - (hold if busy else grace), queued), now - hold)
+        # GPU work starts when a request is forwarded: one still sending its body holds nothing back
+        oldest = min((c.wall_start + (c.t_forwarded - c.t_start) for c in self._inflight.values()
+                      if c.t_forwarded is not None), default=now)
+        return max(min(now - grace, oldest, queued), now - hold)
 
     def _settle(self, final: bool) -> None:
         now = self.clock()
@@ -306,10 +338,15 @@ class Ledger:
             if not backlog:
                 continue
             batch = backlog[:]
+            timeout = self.cfg.ledger.shutdown_timeout_s
+            if self._deadline is not None:
+                timeout = max(min(timeout, self._deadline - time.monotonic()), 0.0)
             try:
-                await sink.write(batch)
+                await asyncio.wait_for(sink.write(batch), timeout)
             except Exception as exc:
-                log.warning("ledger sink %s write failed (%s); will retry", sink.name, exc)
+                why = f"no answer within {timeout:.1f}s" if isinstance(exc, asyncio.TimeoutError) else repr(exc)
+                self._last_error[sink.name] = why
+                log.warning("ledger sink %s: %d records not confirmed (%s); will retry", sink.name, len(batch), why)
                 continue
             del backlog[:len(batch)]
             self.written[sink.name] += len(batch)
