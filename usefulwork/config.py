@@ -19,6 +19,7 @@ from typing import Any, Mapping
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from usefulwork.gateway.mirror import ShadowCfg
 from usefulwork.gateway.recording import RecordCfg
 
 ENV_PREFIX = "USEFULWORK__"
@@ -166,6 +167,7 @@ class Config(_Strict):
     cost: CostCfg = CostCfg()
     telemetry: TelemetryCfg = TelemetryCfg()
     record: RecordCfg = RecordCfg()
+    shadow: ShadowCfg | None = Field(None, description="Live mirroring (the mirror filter): shadow pool and sample.")
     filters: list[str] = Field(default_factory=list, description="Request filters, in the order they run "
                                "(names: usefulwork/gateway/filters/__init__.py; docs/architecture.md).")
     source: str = Field("<defaults>", description="Where this config came from (set by the loader).")

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 FILTERS: dict[str, str] = {
     "noop": "usefulwork.gateway.filters.noop:NoopFilter",
     "record": "usefulwork.gateway.recording:RecordFilter",
+    "mirror": "usefulwork.gateway.mirror:MirrorFilter",
 }
 
 
