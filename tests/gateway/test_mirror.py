@@ -17,6 +17,7 @@ import pytest
 from tests.conftest import free_port
 from tests.e2e.conftest import start_gateway
 from usefulwork.backends.sim.process import SimProcess
+from usefulwork.cli import main as cli_main
 
 MODEL = "Llama-3.1-8B"
 SHADOW_MODEL = "llama-shadow"
@@ -74,11 +75,11 @@ class Staller:
             c.close()
 
 
-def gateway(tmp_path, primary_url: str, shadow_url: str, ledger):
+def gateway(tmp_path, primary_url: str, shadow_url: str, ledger, filters=("mirror",)):
     cfg = {"pools": [{"name": "primary", "models": [MODEL], "replicas": [primary_url]},
                      {"name": "candidate", "models": [SHADOW_MODEL], "replicas": [shadow_url]}],
            "timeouts": {"health_interval_s": 0.5, "retry_after_down_s": 1.0},
-           "filters": ["mirror"],
+           "filters": list(filters), "record": {"dir": str(tmp_path / "traffic"), "flush_interval_s": 0.05},
            "shadow": {"pool": "candidate", "sample": 1.0, "timeout_s": 2.0, "max_inflight": 4,
                       "dir": str(tmp_path / "shadow")},
            "ledger": {"jsonl_path": str(ledger), "flush_interval_s": 0.1}}
@@ -109,7 +110,7 @@ def ledger_records(path) -> list[dict]:
 def test_a_working_shadow_gets_a_copy_and_is_never_billed(sims, tmp_path):
     primary, shadow = sims
     ledger = tmp_path / "ledger.jsonl"
-    gw = gateway(tmp_path, primary.base_url, shadow.base_url, ledger)
+    gw = gateway(tmp_path, primary.base_url, shadow.base_url, ledger, filters=("record", "mirror"))
     try:
         time.sleep(1.0)  # the prober marks the shadow healthy
         res = asyncio.run(drive(gw.url, 20))
@@ -126,6 +127,13 @@ def test_a_working_shadow_gets_a_copy_and_is_never_billed(sims, tmp_path):
     assert len(shadow_recs) == st["mirrored"] and all(r["shadow_of"] in ids for r in shadow_recs)
     assert all(r["outcome"] == "ok" and r["model"] == SHADOW_MODEL and r["completion_tokens"] == 8
                for r in shadow_recs)
+    # the paired report straight from the two logs
+    out = tmp_path / "cmp.json"
+    assert cli_main(["replay", str(tmp_path / "traffic"), "--shadow-log", str(tmp_path / "shadow"),
+                     "--resamples", "200", "--out", str(out), "--html", str(tmp_path / "cmp.html")]) == 0
+    data = json.loads(out.read_text())
+    assert data["meta"]["pairs"] == len(shadow_recs) and data["comparison"]["total"]["error_rate"]["diff"] == 0
+    assert data["comparison"]["verdict"].startswith("verdict:")
 
 
 @pytest.mark.parametrize("kind", ["refuses", "stalls"])

@@ -14,7 +14,8 @@ never handed to the accountant (never billed to a tenant, never counted against 
 ``shadow.timeout_s``. Shadow work is dropped first: when ``shadow.max_inflight`` shadow requests are
 already running, or no shadow replica is usable, the request is simply not mirrored (counted).
 Each shadow request's result is written as a traffic-log record (``usefulwork.gateway.recording``) to
-``shadow.dir`` with ``shadow_of`` = the primary's request id, so it joins the primary's record.
+``shadow.dir`` with ``shadow_of`` = the primary's request id, so it joins the primary's record
+(redacted when ``record.redact`` is on); ``usefulwork replay LOG --shadow-log DIR`` compares the two.
 Counts: ``stats()`` and the OTel counter ``usefulwork.shadow.requests`` (attribute ``result``).
 """
 
@@ -70,7 +71,7 @@ class MirrorFilter:
         self._counter = None if services.meter is None else services.meter.create_counter(
             "usefulwork.shadow.requests", unit="{request}",
             description="Mirrored requests by result: ok, failed, dropped_busy, dropped_down.")
-        self.log = TrafficLog(RecordCfg(dir=cfg.dir))
+        self.log = TrafficLog(RecordCfg(dir=cfg.dir, redact=services.cfg.record.redact))
         self._rand = random.random
 
     def _count(self, result: str) -> None:

@@ -304,3 +304,35 @@ def analyse(workload: ReplayWorkload, main: Pass, noise: Pass | None, *, slo: SL
         "noise_pass": noise is not None,
         "resamples": resamples,
     }
+
+
+# -- live mirroring: the pairs come from two logs ------------------------------------------------
+
+_OUTCOMES = {"ok": "ok", "shed": "shed", "timeout": "timeout", "client_cancelled": "client_cancelled"}
+
+
+def _as_result(i: int, rec: dict[str, Any], t0: float) -> RequestResult:
+    sent = rec["ts"] - t0
+    e2e = (rec.get("e2e_ms") or 0.0) / 1000.0
+    return RequestResult(index=i, kind=str(rec.get("tenant") or "default"), planned=sent, sent=sent, end=sent + e2e,
+                         outcome=_OUTCOMES.get(rec.get("outcome"), "error"),  # type: ignore[arg-type]
+                         status=int(rec.get("status") or 0), ttft=(rec.get("ttft_ms") or 0.0) / 1000.0,
+                         prompt_tokens=int(rec.get("prompt_tokens") or 0),
+                         output_tokens=int(rec.get("completion_tokens") or 0))
+
+
+def pass_from_logs(primary: list[dict[str, Any]], shadow: list[dict[str, Any]]) -> tuple[ReplayWorkload, Pass]:
+    """Join the mirror's shadow records to the recorded primaries (``shadow_of`` = id): one paired pass."""
+    by_id = {r.get("id"): r for r in primary}
+    pairs = sorted(((by_id[s["shadow_of"]], s) for s in shadow
+                    if s.get("shadow_of") in by_id and s.get("op") in ("chat", "completions")),
+                   key=lambda p: p[0]["ts"])
+    if not pairs:
+        from usefulwork.loadtest.replay import ReplayError  # noqa: PLC0415
+
+        raise ReplayError("no shadow record joins a recorded request (shadow_of = id): record both with "
+                          "filters [record, mirror]")
+    t0 = pairs[0][0]["ts"]
+    wl = ReplayWorkload(records=[p for p, _ in pairs], source="mirror")
+    return wl, Pass(a=[_as_result(i, p, t0) for i, (p, _) in enumerate(pairs)],
+                    b=[_as_result(i, s, t0) for i, (_, s) in enumerate(pairs)], wall_start=t0)
