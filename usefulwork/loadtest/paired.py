@@ -5,8 +5,10 @@ the same tick in a random order (neither side always goes first). Then for every
 difference candidate - baseline is computed over the same requests, with a paired bootstrap
 confidence interval (the same resampled requests on both sides). A baseline-vs-baseline pass
 (the baseline target against itself, same schedule) gives each figure's noise floor: the largest
-difference its own 95% interval admits when nothing changed. A difference is *real* when its
-interval excludes 0 and its size is above the noise floor.
+difference its own 95% interval admits when nothing changed. A difference is *real* when its size is
+above the noise floor and its interval excludes 0 at the family-wise level: with 12 figures tested
+at once, the decision uses the Bonferroni interval (1 - 0.05/12, ~99.6%), so that "no difference"
+holds for all figures together 95% of the time (the reported interval stays the plain 95% one).
 
 Figures (in total, per tenant and per route):
 - ``usd_per_1k_successful``, ``usd_per_1m_tokens``: each side's fleet cost (``usd_per_hour`` x the
@@ -200,11 +202,14 @@ class Inputs:
     agree_noise: dict[str, np.ndarray] | None  # baseline vs baseline
 
 
-def _ci(x: np.ndarray) -> tuple[float | None, float | None]:
+FAMILY_ALPHA = 0.05 / (len(SIDE_FIGURES) + len(AGREEMENT))  # Bonferroni over the figures tested together
+
+
+def _ci(x: np.ndarray, alpha: float = 0.05) -> tuple[float | None, float | None]:
     x = x[~np.isnan(x)]
     if len(x) == 0:
         return None, None
-    return float(np.percentile(x, 2.5)), float(np.percentile(x, 97.5))
+    return float(np.percentile(x, 100 * alpha / 2)), float(np.percentile(x, 100 * (1 - alpha / 2)))
 
 
 def _f(x: float) -> float | None:
@@ -244,8 +249,9 @@ def compare(inp: Inputs, rows: np.ndarray, *, resamples: int = 1000, seed: int =
 
 def _entry(base: float, cand: float, diff: np.ndarray, floor: float | None) -> dict[str, Any]:
     lo, hi = _ci(diff)
+    flo, fhi = _ci(diff, FAMILY_ALPHA)
     d = None if _f(base) is None or _f(cand) is None else cand - base
-    real = (lo is not None and d is not None and (lo > 0 or hi < 0)
+    real = (flo is not None and d is not None and (flo > 0 or fhi < 0)
             and (floor is None or abs(d) > floor))
     return {"baseline": _f(base), "candidate": _f(cand), "diff": _f(d),
             "diff_pct": None if d is None or not base else d / abs(base) * 100.0,
