@@ -12,8 +12,10 @@ holds for all figures together 95% of the time (the reported interval stays the 
 
 Figures (in total, per tenant and per route):
 - ``usd_per_1k_successful``, ``usd_per_1m_tokens``: each side's fleet cost (``usd_per_hour`` x the
-  pass's window, as loadtest prices a run) attributed to requests in proportion to their time in the
-  system; the total over all requests equals loadtest's ``cost_usd``.
+  pass's window, start to the last answer on either side: both fleets carry the same traffic over
+  the same hours) attributed to requests in proportion to their work (prompt + generated tokens).
+  So cost differs by the $/hour, by failures (fewer successful requests share the bill) and by
+  tokens generated; a slower setup at the same $/hour shows as latency, not cost.
 - ``p50/p95/p99`` of TTFT and end-to-end latency (ms, successful requests), ``slo_pass_rate``
   (``metrics.is_good``), ``error_rate`` (not ok / all).
 - output agreement (candidate vs baseline, requests both answered): ``exact_match`` and
@@ -117,12 +119,14 @@ class Side:
     cost: np.ndarray  # $ attributed to each request
 
     @classmethod
-    def of(cls, results: list[RequestResult], slo: SLOSpec, usd_per_hour: float) -> "Side":
+    def of(cls, results: list[RequestResult], slo: SLOSpec, usd_per_hour: float, window: float) -> "Side":
         ok = np.array([r.outcome == "ok" for r in results], dtype=bool)
-        busy = np.array([max(r.e2el, 0.0) for r in results], dtype=float)
-        window = max((r.end for r in results), default=0.0)
+        # Work = prompt + generated tokens (the ledger attributes GPU time by work the same way); the
+        # same request does the same work on both sides, so a paired resample compares like with like.
+        work = np.array([(r.prompt_tokens or r.planned_input_tokens) + r.output_tokens for r in results], dtype=float)
         total = usd_per_hour * window / 3600.0
-        cost = total * busy / busy.sum() if busy.sum() > 0 else np.zeros(len(results))
+        n = len(results)
+        cost = total * work / work.sum() if work.sum() > 0 else np.full(n, total / n if n else 0.0)
         return cls(ok=ok, good=np.array([is_good(r, slo) for r in results], dtype=bool),
                    ttft_ms=np.where(ok, [r.ttft * 1000.0 for r in results], np.nan),
                    e2e_ms=np.where(ok, [r.e2el * 1000.0 for r in results], np.nan),
@@ -287,17 +291,24 @@ def side_result(p_results: list[RequestResult], wall_start: float, workload: Rep
     return run_result(out, slo=slo, usd_per_hour=usd_per_hour, label=label)
 
 
+def _window(a: list[RequestResult], b: list[RequestResult]) -> float:
+    """The pass's span (start to the last answer on either side): both fleets are priced over it."""
+    return max((r.end for r in (*a, *b)), default=0.0)
+
+
 def analyse(workload: ReplayWorkload, main: Pass, noise: Pass | None, *, slo: SLOSpec, usd_per_hour_a: float,
             usd_per_hour_b: float, embed: Callable[[list[str]], np.ndarray] | None, resamples: int = 1000,
             seed: int = 0) -> dict[str, Any]:
     n = len(main.a) if noise is None else min(len(main.a), len(noise.a))
     specs = workload.specs()[:n]
     a, b = main.a[:n], main.b[:n]
-    inp = Inputs(base=Side.of(a, slo, usd_per_hour_a), cand=Side.of(b, slo, usd_per_hour_b),
+    w = _window(a, b)
+    inp = Inputs(base=Side.of(a, slo, usd_per_hour_a, w), cand=Side.of(b, slo, usd_per_hour_b, w),
                  noise=None, noise_base=None, agree=agreement(a, b, embed), agree_noise=None)
     if noise is not None:
-        inp.noise_base = Side.of(noise.a[:n], slo, usd_per_hour_a)
-        inp.noise = Side.of(noise.b[:n], slo, usd_per_hour_a)
+        wn = _window(noise.a[:n], noise.b[:n])
+        inp.noise_base = Side.of(noise.a[:n], slo, usd_per_hour_a, wn)
+        inp.noise = Side.of(noise.b[:n], slo, usd_per_hour_a, wn)
         inp.agree_noise = agreement(noise.a[:n], noise.b[:n], embed)
     total = compare(inp, np.arange(n), resamples=resamples, seed=seed)
     return {
