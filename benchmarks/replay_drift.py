@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -80,7 +81,8 @@ def main() -> int:
         p50, p99, mx = np.percentile(lags, 50), np.percentile(lags, 99), lags.max()
         print(f"replay drift: {n} requests at {args.rate:g} req/s for {args.duration:g} s, {ok} ok; "
               f"schedule lag p50 {p50:.2f} ms, p99 {p99:.2f} ms, max {mx:.2f} ms "
-              f"(target p99 <= {args.target_p99_ms:g} ms: {'met' if p99 <= args.target_p99_ms else 'MISSED'})")
+              f"(target p99 <= {args.target_p99_ms:g} ms: {'met' if p99 <= args.target_p99_ms else 'MISSED'}); "
+              f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
         return 0 if p99 <= args.target_p99_ms else 1
     finally:
         mock.terminate()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -81,6 +82,9 @@ def main() -> int:
         d2 = (b - g) / g * 100.0 if g else 0.0
         worst = max(worst, abs(d1))
         print(f"{k:14} {a:10.1f} {b:10.1f} {d1:+7.1f}%   {g:11.1f} {d2:+7.1f}%")
+    print(f"tokens in/out: loadtest {lt['total_input_tokens']}/{lt['total_output_tokens']}, "
+          f"replay {rep['total_input_tokens']}/{rep['total_output_tokens']}; load average {os.getloadavg()[0]:.1f} "
+          f"on {os.cpu_count()} cores")
     print(f"worst loadtest-vs-replay difference {worst:.1f}% (target <= 10%: {'met' if worst <= 10 else 'MISSED'})")
     return 0 if worst <= 10 else 1
 

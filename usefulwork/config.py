@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from usefulwork.caches.config import CacheCfg
 from usefulwork.routers.config import RoutingCfg
 from usefulwork.gateway.admission.config import AdmissionCfg
+from usefulwork.gateway.mirror import ShadowCfg
 from usefulwork.gateway.tenants import AccessCfg, TenantCfg
 from usefulwork.gateway.recording import RecordCfg
 
@@ -190,6 +191,7 @@ class Config(_Strict):
     access: AccessCfg = AccessCfg()
     admission: AdmissionCfg = AdmissionCfg()
     record: RecordCfg = RecordCfg()
+    shadow: ShadowCfg | None = Field(None, description="Live mirroring (the mirror filter): shadow pool and sample.")
     filters: list[str] = Field(default_factory=list, description="Request filters, in the order they run "
                                "(names: usefulwork/gateway/filters/__init__.py; docs/architecture.md).")
     routing: RoutingCfg = Field(RoutingCfg(), description="Virtual models (cascades between pools) and replica pickers (docs/routing.md).")

@@ -106,7 +106,7 @@ def test_paired_replay_detects_a_slower_dearer_candidate(two_setups, tmp_path):
     data = json.loads(out.read_text())
     t = data["comparison"]["total"]
     assert t["usd_per_1k_successful"]["real"] and t["usd_per_1k_successful"]["diff_pct"] > 10
-    assert t["p50_e2e_ms"]["real"] and t["p50_e2e_ms"]["diff_pct"] > 30
+    assert t["p50_e2e_ms"]["real"] and t["p50_e2e_ms"]["diff_pct"] > 15  # half speed; HTTP and CPU time do not scale
     assert t["embedding_similarity"]["candidate"] is not None
     assert set(data["comparison"]["by_tenant"]) == {"acme", "globex"}
     assert "real differences" in (tmp_path / "cmp.html").read_text()

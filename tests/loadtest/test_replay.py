@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -130,3 +129,32 @@ def test_ctrl_c_writes_what_it_has(recorded, tmp_path):
     r = json.loads(out.read_text())
     assert r["interrupted"] is True and 0 < r["num_prompts"] < len(read_log(tmp / "traffic").records)
     assert "interrupted" in text and "Traceback" not in text
+
+
+def test_real_vllm_traffic_recorded_by_the_sdk_replays(vllm_server, tmp_path):
+    """The real openai SDK through a recording gateway in front of real vLLM; the log replays against it."""
+    import openai
+
+    gw = start_gateway(tmp_path, pool_cfg(vllm_server.model, [vllm_server.base_url], filters=["record"],
+                                          record={"dir": str(tmp_path / "traffic"), "flush_interval_s": 0.05}))
+    try:
+        c = openai.OpenAI(base_url=gw.v1, api_key="unused", max_retries=0, timeout=120)
+        c.chat.completions.create(model=vllm_server.model, messages=[{"role": "user", "content": "Say hi."}],
+                                  max_tokens=8)
+        with c.chat.completions.create(model=vllm_server.model, max_tokens=8, stream=True,
+                                       messages=[{"role": "user", "content": "Count to three."}]) as s:
+            for _ in s:
+                pass
+        c.completions.create(model=vllm_server.model, prompt="The sky is", max_tokens=8)
+        time.sleep(0.3)
+        recs = read_log(tmp_path / "traffic").records
+        assert [(r["op"], r["stream"]) for r in recs] == [("chat", False), ("chat", True), ("completions", False)]
+        assert all(r["outcome"] == "ok" and r["usage_source"] == "backend" and r["completion_tokens"] > 0
+                   and r["prompt_tokens"] > 0 and r["e2e_ms"] >= r["ttft_ms"] > 0 for r in recs)
+        out = tmp_path / "rep.json"
+        assert cli_main(["replay", str(tmp_path / "traffic"), "--target", gw.url, "--speed", "4",
+                         "--out", str(out)]) == 0
+        r = json.loads(out.read_text())
+        assert r["completed"] == 3 and r["input_lens"] == [x["prompt_tokens"] for x in recs]
+    finally:
+        gw.stop()

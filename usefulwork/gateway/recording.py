@@ -128,8 +128,12 @@ class TrafficLog:
         try:
             self.q.put_nowait(rec)
         except queue.Full:
-            self.dropped_queue += 1
-            self._on_result("dropped_queue", 1)
+            self.drop()
+
+    def drop(self) -> None:
+        """Count one record that never reached the writer (a queue was full)."""
+        self.dropped_queue += 1
+        self._on_result("dropped_queue", 1)
 
     def close(self, timeout_s: float = 5.0) -> None:
         if self._thread is None:
@@ -253,7 +257,7 @@ class RecordFilter:
             self.sampled_out += 1
             return await next(call)
         if len(self._finished) >= self.cfg.queue_size:
-            self._drop()  # the writer is far behind: this request goes unrecorded, counted
+            self.log.drop()  # the writer is far behind: this request goes unrecorded, counted
             return await next(call)
         try:
             reply = await next(call)
@@ -262,10 +266,6 @@ class RecordFilter:
             raise
         reply.on_close(lambda: self._finished.append(call))
         return reply
-
-    def _drop(self) -> None:
-        self.log.dropped_queue += 1
-        self.log._on_result("dropped_queue", 1)
 
     def drain(self, final: bool = False) -> None:
         """Hand finished calls to the writer; a call whose endpoint has not ended it yet waits."""

@@ -5,13 +5,17 @@ the same tick in a random order (neither side always goes first). Then for every
 difference candidate - baseline is computed over the same requests, with a paired bootstrap
 confidence interval (the same resampled requests on both sides). A baseline-vs-baseline pass
 (the baseline target against itself, same schedule) gives each figure's noise floor: the largest
-difference its own 95% interval admits when nothing changed. A difference is *real* when its
-interval excludes 0 and its size is above the noise floor.
+difference its own 95% interval admits when nothing changed. A difference is *real* when its size is
+above the noise floor and its interval excludes 0 at the family-wise level: with 12 figures tested
+at once, the decision uses the Bonferroni interval (1 - 0.05/12, ~99.6%), so that "no difference"
+holds for all figures together 95% of the time (the reported interval stays the plain 95% one).
 
 Figures (in total, per tenant and per route):
 - ``usd_per_1k_successful``, ``usd_per_1m_tokens``: each side's fleet cost (``usd_per_hour`` x the
-  pass's window, as loadtest prices a run) attributed to requests in proportion to their time in the
-  system; the total over all requests equals loadtest's ``cost_usd``.
+  pass's window, start to the last answer on either side: both fleets carry the same traffic over
+  the same hours) attributed to requests in proportion to their work (prompt + generated tokens).
+  So cost differs by the $/hour, by failures (fewer successful requests share the bill) and by
+  tokens generated; a slower setup at the same $/hour shows as latency, not cost.
 - ``p50/p95/p99`` of TTFT and end-to-end latency (ms, successful requests), ``slo_pass_rate``
   (``metrics.is_good``), ``error_rate`` (not ok / all).
 - output agreement (candidate vs baseline, requests both answered): ``exact_match`` and
@@ -115,12 +119,14 @@ class Side:
     cost: np.ndarray  # $ attributed to each request
 
     @classmethod
-    def of(cls, results: list[RequestResult], slo: SLOSpec, usd_per_hour: float) -> "Side":
+    def of(cls, results: list[RequestResult], slo: SLOSpec, usd_per_hour: float, window: float) -> "Side":
         ok = np.array([r.outcome == "ok" for r in results], dtype=bool)
-        busy = np.array([max(r.e2el, 0.0) for r in results], dtype=float)
-        window = max((r.end for r in results), default=0.0)
+        # Work = prompt + generated tokens (the ledger attributes GPU time by work the same way); the
+        # same request does the same work on both sides, so a paired resample compares like with like.
+        work = np.array([(r.prompt_tokens or r.planned_input_tokens) + r.output_tokens for r in results], dtype=float)
         total = usd_per_hour * window / 3600.0
-        cost = total * busy / busy.sum() if busy.sum() > 0 else np.zeros(len(results))
+        n = len(results)
+        cost = total * work / work.sum() if work.sum() > 0 else np.full(n, total / n if n else 0.0)
         return cls(ok=ok, good=np.array([is_good(r, slo) for r in results], dtype=bool),
                    ttft_ms=np.where(ok, [r.ttft * 1000.0 for r in results], np.nan),
                    e2e_ms=np.where(ok, [r.e2el * 1000.0 for r in results], np.nan),
@@ -200,11 +206,14 @@ class Inputs:
     agree_noise: dict[str, np.ndarray] | None  # baseline vs baseline
 
 
-def _ci(x: np.ndarray) -> tuple[float | None, float | None]:
+FAMILY_ALPHA = 0.05 / (len(SIDE_FIGURES) + len(AGREEMENT))  # Bonferroni over the figures tested together
+
+
+def _ci(x: np.ndarray, alpha: float = 0.05) -> tuple[float | None, float | None]:
     x = x[~np.isnan(x)]
     if len(x) == 0:
         return None, None
-    return float(np.percentile(x, 2.5)), float(np.percentile(x, 97.5))
+    return float(np.percentile(x, 100 * alpha / 2)), float(np.percentile(x, 100 * (1 - alpha / 2)))
 
 
 def _f(x: float) -> float | None:
@@ -244,8 +253,9 @@ def compare(inp: Inputs, rows: np.ndarray, *, resamples: int = 1000, seed: int =
 
 def _entry(base: float, cand: float, diff: np.ndarray, floor: float | None) -> dict[str, Any]:
     lo, hi = _ci(diff)
+    flo, fhi = _ci(diff, FAMILY_ALPHA)
     d = None if _f(base) is None or _f(cand) is None else cand - base
-    real = (lo is not None and d is not None and (lo > 0 or hi < 0)
+    real = (flo is not None and d is not None and (flo > 0 or fhi < 0)
             and (floor is None or abs(d) > floor))
     return {"baseline": _f(base), "candidate": _f(cand), "diff": _f(d),
             "diff_pct": None if d is None or not base else d / abs(base) * 100.0,
@@ -281,17 +291,24 @@ def side_result(p_results: list[RequestResult], wall_start: float, workload: Rep
     return run_result(out, slo=slo, usd_per_hour=usd_per_hour, label=label)
 
 
+def _window(a: list[RequestResult], b: list[RequestResult]) -> float:
+    """The pass's span (start to the last answer on either side): both fleets are priced over it."""
+    return max((r.end for r in (*a, *b)), default=0.0)
+
+
 def analyse(workload: ReplayWorkload, main: Pass, noise: Pass | None, *, slo: SLOSpec, usd_per_hour_a: float,
             usd_per_hour_b: float, embed: Callable[[list[str]], np.ndarray] | None, resamples: int = 1000,
             seed: int = 0) -> dict[str, Any]:
     n = len(main.a) if noise is None else min(len(main.a), len(noise.a))
     specs = workload.specs()[:n]
     a, b = main.a[:n], main.b[:n]
-    inp = Inputs(base=Side.of(a, slo, usd_per_hour_a), cand=Side.of(b, slo, usd_per_hour_b),
+    w = _window(a, b)
+    inp = Inputs(base=Side.of(a, slo, usd_per_hour_a, w), cand=Side.of(b, slo, usd_per_hour_b, w),
                  noise=None, noise_base=None, agree=agreement(a, b, embed), agree_noise=None)
     if noise is not None:
-        inp.noise_base = Side.of(noise.a[:n], slo, usd_per_hour_a)
-        inp.noise = Side.of(noise.b[:n], slo, usd_per_hour_a)
+        wn = _window(noise.a[:n], noise.b[:n])
+        inp.noise_base = Side.of(noise.a[:n], slo, usd_per_hour_a, wn)
+        inp.noise = Side.of(noise.b[:n], slo, usd_per_hour_a, wn)
         inp.agree_noise = agreement(noise.a[:n], noise.b[:n], embed)
     total = compare(inp, np.arange(n), resamples=resamples, seed=seed)
     return {
@@ -304,3 +321,35 @@ def analyse(workload: ReplayWorkload, main: Pass, noise: Pass | None, *, slo: SL
         "noise_pass": noise is not None,
         "resamples": resamples,
     }
+
+
+# -- live mirroring: the pairs come from two logs ------------------------------------------------
+
+_OUTCOMES = {"ok": "ok", "shed": "shed", "timeout": "timeout", "client_cancelled": "client_cancelled"}
+
+
+def _as_result(i: int, rec: dict[str, Any], t0: float) -> RequestResult:
+    sent = rec["ts"] - t0
+    e2e = (rec.get("e2e_ms") or 0.0) / 1000.0
+    return RequestResult(index=i, kind=str(rec.get("tenant") or "default"), planned=sent, sent=sent, end=sent + e2e,
+                         outcome=_OUTCOMES.get(rec.get("outcome"), "error"),  # type: ignore[arg-type]
+                         status=int(rec.get("status") or 0), ttft=(rec.get("ttft_ms") or 0.0) / 1000.0,
+                         prompt_tokens=int(rec.get("prompt_tokens") or 0),
+                         output_tokens=int(rec.get("completion_tokens") or 0))
+
+
+def pass_from_logs(primary: list[dict[str, Any]], shadow: list[dict[str, Any]]) -> tuple[ReplayWorkload, Pass]:
+    """Join the mirror's shadow records to the recorded primaries (``shadow_of`` = id): one paired pass."""
+    by_id = {r.get("id"): r for r in primary}
+    pairs = sorted(((by_id[s["shadow_of"]], s) for s in shadow
+                    if s.get("shadow_of") in by_id and s.get("op") in ("chat", "completions")),
+                   key=lambda p: p[0]["ts"])
+    if not pairs:
+        from usefulwork.loadtest.replay import ReplayError  # noqa: PLC0415
+
+        raise ReplayError("no shadow record joins a recorded request (shadow_of = id): record both with "
+                          "filters [record, mirror]")
+    t0 = pairs[0][0]["ts"]
+    wl = ReplayWorkload(records=[p for p, _ in pairs], source="mirror")
+    return wl, Pass(a=[_as_result(i, p, t0) for i, (p, _) in enumerate(pairs)],
+                    b=[_as_result(i, s, t0) for i, (_, s) in enumerate(pairs)], wall_start=t0)

@@ -9,6 +9,11 @@ noise floor)::
 
     usefulwork replay traffic/ --baseline http://a:8080 --candidate http://b:8080 --out cmp.json --html cmp.html
 
+Paired comparison of live mirroring (the record log joined with the mirror filter's shadow log; no
+noise pass: live traffic cannot be re-sent)::
+
+    usefulwork replay traffic/ --shadow-log traffic-shadow/ --out cmp.json --html cmp.html
+
 Export the log as a Mooncake trace (vllm bench, GuideLLM, AIPerf, ``usefulwork loadtest --workload mooncake``)::
 
     usefulwork replay traffic/ --export-mooncake trace.jsonl
@@ -35,6 +40,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="replay against this URL")
     p.add_argument("--baseline", help="paired comparison: the baseline URL")
     p.add_argument("--candidate", help="paired comparison: the candidate URL")
+    p.add_argument("--shadow-log", type=Path, help="paired comparison of live mirroring: the mirror's shadow log")
     p.add_argument("--export-mooncake", type=Path, metavar="FILE", help="write the log as a Mooncake trace and exit")
     p.add_argument("--speed", type=float, default=1.0, help="time scale: 2 replays twice as fast (default 1)")
     p.add_argument("--model", default="", help="send this model name instead of the recorded one")
@@ -70,11 +76,15 @@ def _slo(args: argparse.Namespace) -> SLOSpec:
 def _run(args: argparse.Namespace, console: Console) -> int:
     from usefulwork.loadtest import replay as rp
 
-    modes = [bool(args.target), bool(args.baseline or args.candidate), bool(args.export_mooncake)]
+    modes = [bool(args.target), bool(args.baseline or args.candidate), bool(args.export_mooncake),
+             bool(args.shadow_log)]
     if sum(modes) != 1:
-        raise ReplayError("choose one: --target URL, --baseline URL --candidate URL, or --export-mooncake FILE")
+        raise ReplayError("choose one: --target URL, --baseline URL --candidate URL, --shadow-log LOG, "
+                          "or --export-mooncake FILE")
     if modes[1] and not (args.baseline and args.candidate):
         raise ReplayError("a paired comparison needs both --baseline and --candidate")
+    if args.shadow_log:
+        return _mirrored(args, console)
     workload, log = rp.load_workload(args.log, args.speed)
     for problem in log.problems:
         console.print(f"[yellow]skipped[/yellow] {problem}")
@@ -170,6 +180,32 @@ def _paired(args: argparse.Namespace, console: Console, workload) -> int:
 
         write_html(data, args.html)
     return 130 if main.interrupted else 0
+
+
+def _mirrored(args: argparse.Namespace, console: Console) -> int:
+    from usefulwork.loadtest import paired as pr
+    from usefulwork.loadtest import replay as rp
+    from usefulwork.loadtest.results import write_json
+    from usefulwork.loadtest.runner import Target
+
+    primary, shadow = rp.read_log(args.log), rp.read_log(args.shadow_log)
+    for problem in primary.problems + shadow.problems:
+        console.print(f"[yellow]skipped[/yellow] {problem}")
+    workload, main = pr.pass_from_logs(primary.records, shadow.records)
+    usd_b = args.candidate_usd_per_hour if args.candidate_usd_per_hour is not None else args.usd_per_hour
+    data = build_paired(workload, main, None, Target(str(args.log), ""), Target(str(args.shadow_log), ""),
+                        slo=_slo(args), usd_a=args.usd_per_hour, usd_b=usd_b, embed=None,
+                        resamples=args.resamples, seed=args.seed)
+    data["meta"] = {"log": str(args.log), "shadow_log": str(args.shadow_log), "pairs": len(main.a),
+                    "noise_pass": False}
+    console.print(f"{len(main.a)} mirrored pairs; " + data["comparison"]["verdict"])
+    if args.out:
+        write_json(args.out, data)
+    if args.html:
+        from usefulwork.loadtest.paired_report import write_html
+
+        write_html(data, args.html)
+    return 0
 
 
 def _embedder():

@@ -21,6 +21,7 @@ FILTERS: dict[str, str] = {
     "router": "usefulwork.gateway.filters.router:RouterFilter",
     "admission": "usefulwork.gateway.admission.filter:AdmissionFilter",
     "record": "usefulwork.gateway.recording:RecordFilter",
+    "mirror": "usefulwork.gateway.mirror:MirrorFilter",
 }
 
 
