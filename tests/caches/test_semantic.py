@@ -109,13 +109,15 @@ def test_threshold_out_of_range_names_the_field():
 
 
 async def test_purge_needs_an_admin_key_and_a_known_tenant():
-    cfg = from_mapping({"auth": {"api_keys": {"k-admin": "admin", "k-a": "A", "k-b": "B"}}}, environ={})
-    f = CacheFilter(cfg=CacheCfg(semantic=SemanticCfg(enabled=False)))
-    f._admin_keys, f._known_tenants = {"k-admin"}, {"admin", "A", "B"}
+    from types import SimpleNamespace
+    from usefulwork.gateway.tenants import hash_key
+    cfg = from_mapping({"auth": {"api_keys": {"k-a": "A", "k-b": "B"}},
+                        "access": {"admin_key_hashes": [hash_key("k-admin")]}, "filters": ["cache"],
+                        "cache": {"semantic": {"enabled": False}}}, environ={})
+    f = CacheFilter(SimpleNamespace(cfg=cfg, meter=None))
     up = FakeUpstream()
     for tenant in ("A", "B"):
         await ask(f, up, make_call("q", tenant=tenant))
-    assert cfg.auth.api_keys["k-admin"] == "admin"
     with TestClient(Starlette(routes=f.routes)) as client:
         assert client.post("/usefulwork/cache/purge", json={"tenant": "A"}).status_code == 403
         assert client.post("/usefulwork/cache/purge", json={"tenant": "A"},
@@ -126,15 +128,10 @@ async def test_purge_needs_an_admin_key_and_a_known_tenant():
         assert client.post("/usefulwork/cache/purge", json={}, headers=admin).status_code == 422
         r = client.post("/usefulwork/cache/purge", json={"tenant": "A"}, headers=admin)
         assert r.status_code == 200 and r.json()["purged_partitions"] == 1
+        # feedback needs the caller's own tenant key
+        assert client.post("/usefulwork/cache/feedback", json={"request_id": "x"}).status_code == 401
     assert (await ask(f, up, make_call("q", tenant="A")))[0].header(b"x-usefulwork-cache") == b"miss"
     assert (await ask(f, up, make_call("q", tenant="B")))[0].header(b"x-usefulwork-cache") == b"hit-exact"
-
-
-def test_admin_keys_come_from_the_gateway_config():
-    from types import SimpleNamespace
-    cfg = from_mapping({"auth": {"api_keys": {"k-admin": "admin", "k-a": "A"}}, "filters": ["cache"]}, environ={})
-    f = CacheFilter(SimpleNamespace(cfg=cfg, meter=None))
-    assert f._admin_keys == {"k-admin"} and f._known_tenants == {"admin", "A"}
 
 
 async def test_semantic_lookups_back_off_while_they_do_not_pay():

@@ -56,6 +56,4 @@ class CacheCfg(_Strict):
                                    "cached unless they fix a `seed` (an absent temperature counts as 1.0).")
     cache_tools: bool = Field(False, description="Cache requests that offer tools.")
     redis_timeout_s: float = Field(0.1, gt=0, description="A Redis call slower than this bypasses the cache for the request.")
-    admin_tenant: str = Field("admin", min_length=1, description="Tenant whose API key may purge the cache "
-                              "(auth.api_keys); with no keys configured purging is refused.")
     semantic: SemanticCfg = SemanticCfg()

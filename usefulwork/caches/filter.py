@@ -42,6 +42,7 @@ from usefulwork.caches.thresholds import ThresholdPolicy
 from usefulwork.embedding import conversation_text, shared_embedder
 from usefulwork.gateway.errors import GatewayError, error_body
 from usefulwork.gateway.pipeline import Call, Handler, Reply, Services
+from usefulwork.gateway.tenants import Tenants, bearer
 
 log = logging.getLogger("usefulwork.cache")
 
@@ -113,7 +114,7 @@ class CacheFilter:
     name = "cache"
 
     def __init__(self, services: Services | None = None, *, cfg: CacheCfg | None = None, store: Store | None = None,
-                 embedder=None, admin_keys: set[str] | None = None, tenant_of=None):
+                 embedder=None):
         gw = services.cfg if services is not None else None
         self.cfg = cfg or (gw.cache if gw is not None else CacheCfg())
         self.store = store if store is not None else self._build_store()
@@ -121,11 +122,10 @@ class CacheFilter:
         self.store.listener = self.index
         self.embedder = embedder if embedder is not None else (shared_embedder() if self.cfg.semantic.enabled else None)
         self.policy = ThresholdPolicy(self.cfg.semantic)
-        keys = dict(gw.auth.api_keys) if gw is not None else {}
-        # TODO(merge): use usefulwork/gateway/access.py's admin check and tenant identification.
-        self._tenants_by_key = keys
-        self._admin_keys = admin_keys if admin_keys is not None else {k for k, t in keys.items() if t == self.cfg.admin_tenant}
-        self._known_tenants = set(keys.values()) or {"default"}
+        # Who calls the admin and feedback routes: the gateway's own tenants and admin keys.
+        self._tenants = Tenants(gw) if gw is not None else None
+        self._known_tenants = ({"default"} | set(self._tenants.by_name) | set(gw.auth.api_keys.values())
+                               if gw is not None else {"default"})
         self._known_models = set(gw.model_names) if gw is not None else set()
         self._tasks: set[asyncio.Task] = set()
         self.counts = {"miss": 0, "hit-exact": 0, "hit-semantic": 0, "bypass": 0}
@@ -434,10 +434,6 @@ class CacheFilter:
         }
 
     # -- routes --
-    def _caller(self, request: Request) -> str | None:
-        auth = request.headers.get("authorization", "")
-        return auth[7:].strip() if auth[:7].lower() == "bearer " else None
-
     async def _json(self, request: Request) -> dict[str, Any]:
         try:
             body = orjson.loads(await request.body())
@@ -449,8 +445,9 @@ class CacheFilter:
 
     async def _purge_route(self, request: Request) -> Response:
         try:
-            if not self._admin_keys or self._caller(request) not in self._admin_keys:
-                raise GatewayError(403, f"purging the cache needs an API key of tenant {self.cfg.admin_tenant!r}",
+            key = bearer(request.headers.get("authorization", "").encode("latin-1"))
+            if self._tenants is None or not self._tenants.is_admin(key):  # an open gateway has no admin
+                raise GatewayError(403, "purging the cache needs an admin key (access.admin_key_hashes)",
                                    code="forbidden")
             body = await self._json(request)
             tenant, model = body.get("tenant"), body.get("model")
@@ -472,12 +469,8 @@ class CacheFilter:
 
     async def _feedback_route(self, request: Request) -> Response:
         try:
-            if self._tenants_by_key:
-                tenant = self._tenants_by_key.get(self._caller(request) or "")
-                if tenant is None:
-                    raise GatewayError(401, "invalid or missing API key", code="invalid_api_key")
-            else:
-                tenant = "default"
+            auth = request.headers.get("authorization", "").encode("latin-1")
+            tenant = self._tenants.identify(auth) if self._tenants is not None else "default"
             body = await self._json(request)
             rid = body.get("request_id")
             if not isinstance(rid, str):

@@ -18,6 +18,7 @@ from starlette.routing import Route
 
 from usefulwork.config import Config
 from usefulwork.gateway import accounting
+from usefulwork.gateway.access import Access
 from usefulwork.gateway.errors import error_body
 from usefulwork.gateway.filters import build_filters
 from usefulwork.gateway.pipeline import Services, chain
@@ -87,14 +88,19 @@ def build_app(cfg: Config, client: httpx.AsyncClient | None = None) -> HotPaths:
     client = client or make_client(cfg)
     fleet = Fleet(cfg, client)
     bundle = accounting.build(cfg, fleet)
+    access = Access(cfg)
     services = Services(cfg=cfg, fleet=fleet, accountant=bundle.accountant,
                         meter=bundle.telemetry.meter if bundle.telemetry is not None else None)
     filters = build_filters(cfg.filters, services)
-    handler = chain(filters, Forwarder(fleet, build_pickers(cfg, fleet)))
+    pickers = build_pickers(cfg, fleet, services.meter)
+    handler = chain(filters, Forwarder(fleet, pickers))
     intake = Intake(fleet, bundle.accountant, Tenants(cfg), handler, max_body=cfg.limits.max_body_bytes,
                     body_timeout_s=cfg.limits.body_timeout_s, virtual_models=services.virtual_models)
     endpoints = {op.path: Endpoint(intake, op) for op in OPERATIONS}
     bundle.accountant.filter_stats = {f.name: f.stats for f in filters if hasattr(f, "stats")}
+    picker_stats = {name: p.stats for name, p in pickers.items() if hasattr(p, "stats")}  # prefix pickers' self-check
+    if picker_stats:
+        bundle.accountant.filter_stats["pickers"] = lambda: {name: st() for name, st in picker_stats.items()}
     started = time.time()
 
     async def models(request: Request) -> Response:
@@ -116,11 +122,11 @@ def build_app(cfg: Config, client: httpx.AsyncClient | None = None) -> HotPaths:
             }
             for name, p in fleet.pools.items()
         }
-        ready = fleet.ready()
-        return Response(orjson.dumps({"ready": ready, "pools": pools}), status_code=200 if ready else 503,
-                        media_type=JSON)
+        return access.readyz(request, fleet.ready(), {"pools": pools})
 
     async def metrics(request: Request) -> Response:
+        if (denied := access.metrics(request)) is not None:
+            return denied
         body = prometheus_client.generate_latest(prometheus_client.REGISTRY) + fleet_metrics_text(fleet).encode()
         return Response(body, media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
@@ -146,12 +152,12 @@ def build_app(cfg: Config, client: httpx.AsyncClient | None = None) -> HotPaths:
         try:
             yield
         finally:
-            for f in reversed(filters):
-                if hasattr(f, "stop"):
+            for name, part in [*((f.name, f) for f in reversed(filters)), *pickers.items()]:
+                if hasattr(part, "stop"):  # filters, and pickers with background work (KV-event subscribers)
                     try:
-                        await f.stop()
+                        await part.stop()
                     except Exception:
-                        log.exception("stopping filter %s", f.name)
+                        log.exception("stopping %s", name)
             await bundle.accountant.stop()
             await fleet.stop()
             await client.aclose()

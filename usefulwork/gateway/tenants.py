@@ -1,24 +1,181 @@
-"""Who is calling: the ``Authorization: Bearer`` key -> a tenant name (401 for a bad key).
+"""Who is calling: the ``Authorization: Bearer`` key -> a tenant, and what that tenant may do.
 
-With no keys configured every request is tenant ``default``.
+Keys are stored hashed: config holds ``sha256:<hex>`` of each key (``usefulwork tenants hash-key``
+prints the hash of a new key), never the key. API keys are random, high-entropy secrets, so one
+SHA-256 is enough (a password KDF would only slow every request down). A tenant has rpm / tpm
+limits, a $ budget per UTC day, a default priority class, a fair-share weight and a degrade policy;
+the admission filter enforces them (usefulwork/gateway/admission). ``access`` holds the admin keys
+and the Prometheus scrape token (usefulwork/gateway/access.py).
+
+With no keys configured at all every request is tenant ``default`` (the embedded default).
+Errors: 401 for a missing, malformed or unknown key; 403 for a disabled tenant.
 """
 
 from __future__ import annotations
 
-from usefulwork.config import Config
+import argparse
+import hashlib
+import math
+import secrets
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
 from usefulwork.gateway.errors import GatewayError
+
+if TYPE_CHECKING:
+    from usefulwork.config import Config
+
+Priority = Literal["interactive", "batch", "sheddable"]
+PRIORITIES: tuple[Priority, ...] = ("interactive", "batch", "sheddable")  # served in this order
+HASH_PREFIX = "sha256:"
+
+
+def hash_key(key: str) -> str:
+    """The form a key is stored in config: ``sha256:<64 hex>``."""
+    return HASH_PREFIX + hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+def _check_hash(v: str) -> str:
+    hexpart = v[len(HASH_PREFIX):] if v.startswith(HASH_PREFIX) else ""
+    if len(hexpart) != 64 or any(c not in "0123456789abcdef" for c in hexpart):
+        raise ValueError("must be 'sha256:' followed by 64 lower-case hex digits "
+                         "(`usefulwork tenants hash-key` prints one); never the key itself")
+    return v
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Degrade(_Strict):
+    """What admission may do instead of shedding this tenant's request (recorded in the ledger)."""
+
+    max_tokens: int | None = Field(None, ge=1, description="Cap max_tokens to this (a shorter answer meets the SLO sooner).")
+    pool: str | None = Field(None, description="Send to this (cheaper) pool when the model's own pool is full.")
+
+
+class TenantCfg(_Strict):
+    """One tenant: its keys (hashed), limits, budget, default priority, fair-share weight."""
+
+    key_hashes: list[str] = Field(default_factory=list, description="sha256:<hex> of each API key of this tenant.")
+    enabled: bool = Field(True, description="A disabled tenant gets 403 for every request.")
+    rpm: int | None = Field(None, ge=1, description="Requests per minute (token bucket; None: unlimited).")
+    tpm: int | None = Field(None, ge=1, description="Tokens (prompt + max_tokens, corrected to actual) per minute.")
+    budget_usd_per_day: float | None = Field(None, ge=0, description="US dollars per UTC day (price-sheet cost); a plain number.")
+    priority: Priority = Field("interactive", description="Default priority class (the x-usefulwork-priority header overrides).")
+    weight: float = Field(1.0, gt=0, description="Fair-share weight: served tokens are divided by it.")
+    degrade: Degrade | None = Field(None, description="Allowed degradations instead of a shed (None: never degrade).")
+
+    @field_validator("key_hashes")
+    @classmethod
+    def _hashes(cls, v: list[str]) -> list[str]:
+        return [_check_hash(h) for h in v]
+
+    @field_validator("budget_usd_per_day", mode="before")
+    @classmethod
+    def _dollars(cls, v: Any) -> Any:
+        # "50 EUR", "$5", "500 cents", "5/day": the unit is fixed by the field's name.
+        if isinstance(v, str) or isinstance(v, bool):
+            raise ValueError(f"must be a plain number of US dollars per UTC day (e.g. 25.0), got {v!r}")
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"must be a finite number of US dollars per day, got {v!r}")
+        return v
+
+
+class AccessCfg(_Strict):
+    """Who may read the fleet view (/usefulwork/stats, dashboard, /metrics, /readyz detail)."""
+
+    admin_key_hashes: list[str] = Field(default_factory=list, description="sha256:<hex> of admin keys (fleet view, admin endpoints).")
+    metrics_token_hash: str | None = Field(None, description="sha256:<hex> of the bearer token Prometheus sends to scrape /metrics.")
+
+    @field_validator("admin_key_hashes")
+    @classmethod
+    def _hashes(cls, v: list[str]) -> list[str]:
+        return [_check_hash(h) for h in v]
+
+    @field_validator("metrics_token_hash")
+    @classmethod
+    def _token(cls, v: str | None) -> str | None:
+        return None if v is None else _check_hash(v)
+
+
+def bearer(authorization: bytes | None) -> str | None:
+    """The key in ``Bearer <key>`` (or the password of ``Basic``, which browsers send to the dashboard)."""
+    if not authorization:
+        return None
+    scheme, _, rest = authorization.partition(b" ")
+    scheme = scheme.lower()
+    try:
+        if scheme == b"bearer":
+            key = rest.decode("ascii").strip()
+        elif scheme == b"basic":
+            import base64  # noqa: PLC0415 (dashboard only)
+
+            key = base64.b64decode(rest.strip(), validate=True).decode("utf-8").partition(":")[2]
+        else:
+            return None
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return key or None
 
 
 class Tenants:
+    """Key -> tenant lookup and each tenant's settings (one instance per gateway process)."""
+
     def __init__(self, cfg: Config):
-        self._by_key = dict(cfg.auth.api_keys)
+        self.cfg = cfg
+        self.by_name: dict[str, TenantCfg] = dict(cfg.tenants)
+        self._by_hash = {h: name for name, t in self.by_name.items() for h in t.key_hashes}
+        self._plain = dict(cfg.auth.api_keys)  # legacy: plaintext key -> tenant
+        self.admin_hashes = frozenset(cfg.access.admin_key_hashes)
+        self.metrics_hash = cfg.access.metrics_token_hash
+
+    @property
+    def auth_enabled(self) -> bool:
+        return bool(self._by_hash or self._plain or self.admin_hashes)
+
+    def settings(self, tenant: str) -> TenantCfg:
+        return self.by_name.get(tenant) or _DEFAULT
+
+    def tenant_of_key(self, key: str | None) -> str | None:
+        if not key:
+            return None
+        name = self._by_hash.get(hash_key(key))
+        return name if name is not None else self._plain.get(key)
+
+    def is_admin(self, key: str | None) -> bool:
+        return bool(key) and hash_key(key) in self.admin_hashes
+
+    def is_metrics_token(self, key: str | None) -> bool:
+        return bool(key) and self.metrics_hash is not None and secrets.compare_digest(hash_key(key), self.metrics_hash)
 
     def identify(self, authorization: bytes | None) -> str:
-        if not self._by_key:
+        if not (self._by_hash or self._plain):
             return "default"
-        auth = authorization or b""
-        key = auth[7:].decode("latin-1").strip() if auth[:7].lower() == b"bearer " else ""
-        tenant = self._by_key.get(key)
+        tenant = self.tenant_of_key(bearer(authorization))
         if tenant is None:
             raise GatewayError(401, "invalid or missing API key", code="invalid_api_key")
+        if not self.settings(tenant).enabled:
+            raise GatewayError(403, f"tenant {tenant!r} is disabled", code="tenant_disabled")
         return tenant
+
+
+_DEFAULT = TenantCfg()
+
+
+# -- `usefulwork tenants` -------------------------------------------------------------------------
+
+
+def configure_parser(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="action", required=True)
+    h = sub.add_parser("hash-key", help="print a new API key (or the given one) and the hash config stores")
+    h.add_argument("key", nargs="?", help="an existing key to hash (default: generate a new random key)")
+
+
+def run(args: argparse.Namespace) -> int:
+    key = args.key or "uw-" + secrets.token_urlsafe(32)
+    if not args.key:
+        print(f"key:  {key}   (give this to the client; it is not stored anywhere)")
+    print(f"hash: {hash_key(key)}")
+    return 0

@@ -33,7 +33,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = __doc__.split("\n", 2)[2]
     m = p.add_argument_group("mode")
-    m.add_argument("--experiment", "-e", help="experiment name (built-in: cost, cost-a100) or a YAML file path")
+    m.add_argument("--experiment", "-e", help="experiment name (built-in: cost, cost-a100, admission; autoscale: the virtual-clock "
+                   "autoscaling what-if) or a YAML file path")
     m.add_argument("--report", type=Path, help="re-render the HTML report of a saved results JSON file")
     m.add_argument("--list", action="store_true", help="list built-in experiments and exit")
 
@@ -111,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         if args.list:
             from usefulwork.loadtest.experiment import builtin_names
 
-            for name in builtin_names():
+            for name in [*builtin_names(), "autoscale"]:
                 print(name)
             return 0
         if args.report:

@@ -48,6 +48,14 @@ class RequestResult:
     usage_seen: bool = False
     error: str = ""
     request_id: str = ""  # sent as x-request-id: joins this result with the gateway's ledger record
+    group: str = ""  # the client mix entry that sent it (tenant / priority), "" for a single client
+    retries: int = 0  # 429s it waited out (honouring Retry-After) before its last attempt
+    first_retry: str = ""  # outcome of the first retry: "admitted" or "shed" ("" when none)
+    retry_after_s: float = 0.0  # Retry-After of the first 429
+    shed_s: float = 0.0  # send -> the first 429's answer (how early admission said no)
+    shed_reason: str = ""  # x-usefulwork-shed-reason of the first 429
+    wait_s: float = 0.0  # Retry-After of the latest 429
+    text: list[str] | None = None  # the generated text, kept only when asked (paired replay compares outputs)
 
     @property
     def schedule_lag(self) -> float:
@@ -95,6 +103,8 @@ async def _stream(client: httpx.AsyncClient, url: str, body: bytes, headers: dic
             detail = (await resp.aread())[:300].decode(errors="replace")
             res.outcome = "shed" if resp.status_code == 429 else "error"
             res.error = f"HTTP {resp.status_code}: {detail}"
+            if resp.status_code == 429:
+                _note_shed(res, resp.headers, time.perf_counter() - t_send)
             return
         last = t_send
         done = False
@@ -117,6 +127,9 @@ async def _stream(client: httpx.AsyncClient, url: str, body: bytes, headers: dic
             now = time.perf_counter()
             choices = obj.get("choices")
             if choices and _has_text(choices[0]):
+                if res.text is not None:
+                    c = choices[0]
+                    res.text.append(c.get("text") or (c.get("delta") or {}).get("content") or "")
                 if res.chunks == 0:
                     res.ttft = now - t_send
                 else:
@@ -134,21 +147,56 @@ async def _stream(client: httpx.AsyncClient, url: str, body: bytes, headers: dic
             res.output_tokens = res.chunks  # best effort: one token per chunk
 
 
+def retry_after(headers: httpx.Headers) -> float | None:
+    """Seconds to wait from ``retry-after-ms`` (what the OpenAI SDKs read first) or ``retry-after``."""
+    for name, scale in (("retry-after-ms", 1000.0), ("retry-after", 1.0)):
+        v = headers.get(name)
+        if v is not None:
+            try:
+                return max(0.0, float(v) / scale)
+            except ValueError:
+                continue
+    return None
+
+
+def _note_shed(res: RequestResult, headers: httpx.Headers, after_s: float) -> None:
+    res.wait_s = retry_after(headers) or 0.0
+    if res.retries == 0 and not res.shed_s:
+        res.shed_s = after_s
+        res.retry_after_s = retry_after(headers) or 0.0
+        res.shed_reason = headers.get("x-usefulwork-shed-reason", "")
+
+
 async def send(client: httpx.AsyncClient, base_url: str, spec: RequestSpec, model: str, *, timeout_s: float,
-               clock0: float, planned: float, api_key: str | None = None) -> RequestResult:
-    """Send one streaming request; never raises (every failure becomes an outcome)."""
-    res = RequestResult(index=spec.index, kind=spec.kind, planned=planned, planned_input_tokens=spec.input_tokens)
+               clock0: float, planned: float, api_key: str | None = None, headers: dict[str, str] | None = None,
+               group: str = "", honor_retry_after: bool = False, max_retries: int = 3,
+               keep_text: bool = False) -> RequestResult:
+    """Send one streaming request; never raises (every failure becomes an outcome).
+
+    With ``honor_retry_after`` a 429 that carries Retry-After is waited out and retried (up to
+    ``max_retries`` times, within the same overall timeout); TTFT and E2EL then count from the
+    first send, as the user lives them.
+    """
+    res = RequestResult(index=spec.index, kind=spec.kind, planned=planned, planned_input_tokens=spec.input_tokens,
+                        group=group, text=[] if keep_text else None)
     path = "/v1/chat/completions" if spec.endpoint == "chat" else "/v1/completions"
     res.request_id = os.urandom(8).hex()
-    headers = {"content-type": "application/json", "x-request-id": res.request_id}
+    hdrs = {"content-type": "application/json", "x-request-id": res.request_id, **(headers or {})}
     if api_key:
-        headers["authorization"] = f"Bearer {api_key}"
+        hdrs["authorization"] = f"Bearer {api_key}"
     body = orjson.dumps(spec.body(model))
     t_send = time.perf_counter()
     res.sent = t_send - clock0
     try:
         async with asyncio.timeout(timeout_s):
-            await _stream(client, base_url + path, body, headers, res, t_send, clock0)
+            await _stream(client, base_url + path, body, hdrs, res, t_send, clock0)
+            while honor_retry_after and res.outcome == "shed" and res.retries < max_retries and res.retry_after_s:
+                await asyncio.sleep(res.wait_s or 1.0)
+                res.retries += 1
+                res.outcome, res.error, res.status = "ok", "", 0
+                await _stream(client, base_url + path, body, hdrs, res, t_send, clock0)
+                if res.retries == 1:
+                    res.first_retry = "shed" if res.outcome == "shed" else "admitted"
     except TimeoutError:
         res.outcome, res.error = "timeout", f"no complete answer within {timeout_s:g}s"
     except asyncio.CancelledError:

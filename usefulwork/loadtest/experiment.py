@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import copy
+import dataclasses
 import fcntl
+import json
 import os
 import platform
 import subprocess
@@ -86,6 +87,9 @@ class Case:
     num_requests: int | None
     timeout_s: float
     drain_s: float | None
+    clients: list[dict[str, Any]] | None = None  # a client mix (tenants, priorities); runner.LoadSpec
+    honor_retry_after: bool = False
+    profiles: list[str] | None = None  # run only on these profiles (None: all)
 
 
 @dataclass
@@ -96,7 +100,8 @@ class Profile:
     sim_profile: str
     sim_overrides: dict[str, Any]
     time_scale: float | None = None  # sim only: overrides backend.time_scale for this profile
-    gateway: dict[str, Any] = field(default_factory=dict)  # merged into the gateway's config (e.g. filters)
+    gateway: dict[str, Any] = field(default_factory=dict)  # merged into the gateway's config (routing, filters, tenants)
+    model: str | None = None  # the model name clients send (default: the backend's served name)
 
 
 @dataclass
@@ -116,7 +121,8 @@ class Experiment:
     def case_for(self, shape: dict[str, Any], case_name: str) -> Case:
         spec = _deep_merge(self.cases[case_name], (shape.get("cases") or {}).get(case_name) or {})
         where = f"{self.source}: shape {shape['name']}: case {case_name}"
-        known = {"description", "workload", "arrival", "concurrency", "duration_s", "num_requests", "timeout_s", "drain_s"}
+        known = {"description", "workload", "arrival", "concurrency", "duration_s", "num_requests", "timeout_s", "drain_s",
+                 "clients", "honor_retry_after", "profiles"}
         extra = set(spec) - known
         if extra:
             raise ExperimentError(f"{where}: unknown field(s) {', '.join(sorted(extra))}")
@@ -135,7 +141,8 @@ class Experiment:
         return Case(name=case_name, description=spec.get("description", ""), workload=wl, arrival=arrival,
                     concurrency=spec.get("concurrency"), duration_s=spec.get("duration_s"),
                     num_requests=spec.get("num_requests"), timeout_s=float(spec.get("timeout_s", 60.0)),
-                    drain_s=spec.get("drain_s"))
+                    drain_s=spec.get("drain_s"), clients=spec.get("clients"),
+                    honor_retry_after=bool(spec.get("honor_retry_after", False)), profiles=spec.get("profiles"))
 
 
 def load_experiment(name_or_path: str) -> Experiment:
@@ -148,7 +155,7 @@ def load_experiment(name_or_path: str) -> Experiment:
     if not isinstance(raw, dict):
         raise ExperimentError(f"{src}: the top level must be a mapping")
     known = {"name", "description", "backend", "slo", "seed", "profiles", "shapes", "cases", "compare"}
-    extra = set(raw) - known
+    extra = {k for k in set(raw) - known if not str(k).startswith("x-")}  # x-*: YAML anchors, as in compose files
     if extra:
         raise ExperimentError(f"{src}: unknown top-level field(s) {', '.join(sorted(extra))}")
     backend = raw.get("backend") or {}
@@ -164,7 +171,7 @@ def load_experiment(name_or_path: str) -> Experiment:
         profiles.append(Profile(name=pname, description=p.get("description", ""),
                                 vllm_args=[str(a) for a in p.get("vllm_args", [])],
                                 sim_profile=p.get("sim_profile", pname), sim_overrides=p.get("sim_overrides") or {},
-                                time_scale=p.get("time_scale"), gateway=p.get("gateway") or {}))
+                                time_scale=p.get("time_scale"), gateway=p.get("gateway") or {}, model=p.get("model")))
     if not profiles:
         raise ExperimentError(f"{src}: no profiles")
     cases = raw.get("cases") or {}
@@ -213,8 +220,17 @@ def cpu_lock(path: str | None) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _backend_process(exp: Experiment, profile: Profile, port: int, log_path: Path):
+def backend_pools(exp: Experiment) -> list[dict[str, Any]]:
+    """The pools to start: ``backend.pools`` (sim only; each inherits the backend's keys), else the
+    backend itself as one pool. ``replicas`` (default 1) servers per pool; ``kv_events: true`` makes
+    each simulated server publish vLLM's KV-cache events (the precise prefix picker reads them)."""
     b = exp.backend
+    return [{**{k: v for k, v in b.items() if k != "pools"}, **p} for p in b.get("pools") or [{}]]
+
+
+def _backend_process(exp: Experiment, profile: Profile, port: int, log_path: Path,
+                     pool: dict[str, Any] | None = None, kv_port: int | None = None):
+    b = pool or exp.backend
     if b["kind"] == "local-vllm":
         from usefulwork.backends.local import LocalVLLM
         from usefulwork.backends.model import ensure_model
@@ -224,10 +240,14 @@ def _backend_process(exp: Experiment, profile: Profile, port: int, log_path: Pat
                          kv_cache_gib=int(b.get("kv_cache_gib", 2)), extra_args=profile.vllm_args, log_path=log_path)
     from usefulwork.backends.sim.process import SimProcess
 
+    extra = dict(profile.sim_overrides)
+    if kv_port is not None:
+        extra["kv_events_config"] = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                                "endpoint": f"tcp://*:{kv_port}"})
     return SimProcess(gpu=b.get("gpu_name", "A100-80G"), model=b.get("model", "Llama-3.1-8B"),
                       precision=b.get("precision", "bf16"), tp=int(b.get("tp", 1)), profile=profile.sim_profile,
                       served_name=b.get("served_name", "llama-3.1-8b"), port=port,
-                      time_scale=time_scale(exp, profile), seed=exp.seed, extra=profile.sim_overrides,
+                      time_scale=time_scale(exp, profile), seed=exp.seed, extra=extra,
                       log_path=log_path)
 
 
@@ -236,8 +256,12 @@ def served_name(exp: Experiment) -> str:
 
 
 def usd_per_hour(exp: Experiment) -> float:
-    gpu = exp.backend.get("gpu") or {}
-    return float(gpu.get("usd_per_hour", 0.0)) * int(gpu.get("count", 1))
+    """The whole fleet's $/hour: every pool's GPUs x its replicas."""
+    total = 0.0
+    for pool in backend_pools(exp):
+        gpu = pool.get("gpu") or {}
+        total += float(gpu.get("usd_per_hour", 0.0)) * int(gpu.get("count", 1)) * int(pool.get("replicas", 1))
+    return total
 
 
 def time_scale(exp: Experiment, profile: Profile) -> float:
@@ -250,25 +274,37 @@ def time_scale(exp: Experiment, profile: Profile) -> float:
     return float(s)
 
 
-def gateway_config(exp: Experiment, profile: Profile, backend_url: str, port: int,
-                   ledger_path: Path | None = None) -> dict[str, Any]:
+def gateway_config(exp: Experiment, profile: Profile, backend_urls: str | list[list[str]], port: int,
+                   kv_endpoints: dict[str, str] | None = None, ledger_path: Path | None = None) -> dict[str, Any]:
+    """The gateway in front of the profile's backends: one pool per ``backend_pools`` entry (its
+    replicas' URLs in ``backend_urls``), then the profile's ``gateway`` mapping merged in."""
     s = time_scale(exp, profile)
-    gpu = exp.backend.get("gpu") or {}
-    return _deep_merge({
+    urls = [[backend_urls]] if isinstance(backend_urls, str) else backend_urls
+    pools = []
+    for spec, replicas in zip(backend_pools(exp), urls):
+        gpu = spec.get("gpu") or {}
+        pools.append({
+            "name": spec.get("name", profile.name),
+            "models": [spec.get("served_name", served_name(exp))],
+            "replicas": replicas,
+            "gpu": {"type": str(gpu.get("type", "gpu")), "count": int(gpu.get("count", 1)) * len(replicas),
+                    "usd_per_hour": float(gpu.get("usd_per_hour", 0.0)) * s},
+            **({"prices": spec["prices"]} if spec.get("prices") else {}),
+        })
+    cfg = _deep_merge({
         "listen": {"host": "127.0.0.1", "port": port},
         # The per-request ledger beside the results: joins with them on x-request-id (client_request_id).
         "ledger": {"jsonl_path": str(ledger_path) if ledger_path else None},
         # In scaled time the gateway sees wall seconds: targets / s, price x s (see module doc).
         "slo": {"ttft_ms": exp.slo.ttft_ms / s, "tpot_ms": exp.slo.tpot_ms / s, "e2e_ms": exp.slo.e2e_ms / s},
         "timeouts": {"first_byte_s": 600.0, "read_s": 600.0},
-        "pools": [{
-            "name": profile.name,
-            "models": [served_name(exp)],
-            "replicas": [backend_url],
-            "gpu": {"type": str(gpu.get("type", "gpu")), "count": int(gpu.get("count", 1)),
-                    "usd_per_hour": float(gpu.get("usd_per_hour", 0.0)) * s},
-        }],
+        "pools": pools,
     }, profile.gateway)
+    routing = cfg.get("routing") or {}
+    for picker in [routing.get("default_picker") or {}, *(routing.get("pickers") or {}).values()]:
+        if picker.get("kind") == "precise-prefix" and kv_endpoints:
+            picker.setdefault("kv_events_endpoints", dict(kv_endpoints))
+    return cfg
 
 
 def free_port() -> int:
@@ -320,6 +356,46 @@ def _metric_sum(text: str, names: tuple[str, ...]) -> float:
     return total
 
 
+BACKEND_COUNTERS = {"requests": ("vllm:request_success_total",), "prefix_queries": ("vllm:prefix_cache_queries_total",),
+                    "prefix_hits": ("vllm:prefix_cache_hits_total",), "prompt_tokens": ("vllm:prompt_tokens_total",),
+                    "generation_tokens": ("vllm:generation_tokens_total",)}
+
+
+def backend_counters(base_urls: list[str]) -> list[dict[str, float]]:
+    """Each backend's request and prefix-cache counters (for per-replica deltas around a cell)."""
+    out = []
+    for url in base_urls:
+        text = httpx.get(f"{url}/metrics", timeout=5.0).text
+        out.append({k: _metric_sum(text, names) for k, names in BACKEND_COUNTERS.items()})
+    return out
+
+
+def backend_deltas(urls: list[str], before: list[dict[str, float]], after: list[dict[str, float]],
+                   pools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Per-replica work and prefix-cache hit rate over a cell, and the fleet's figures. With
+    ``pools`` (one spec per URL), the share of requests per pool and the price-sheet cost of the
+    tokens each pool processed (``prices``: $ per 1M input / output tokens)."""
+    rows = [{"url": u, **{k: a[k] - b[k] for k in BACKEND_COUNTERS}} for u, b, a in zip(urls, before, after)]
+    q = sum(r["prefix_queries"] for r in rows)
+    reqs = [r["requests"] for r in rows]
+    out: dict[str, Any] = {"replicas": rows, "prefix_hit_rate": sum(r["prefix_hits"] for r in rows) / q if q else None,
+                           "replica_requests_max_min": max(reqs) / min(reqs) if reqs and min(reqs) > 0 else None}
+    if pools:
+        by_pool: dict[str, dict[str, float]] = {}
+        for r, spec in zip(rows, pools):
+            p = by_pool.setdefault(spec.get("name", "default"), {"requests": 0.0, "usd_price_sheet": 0.0})
+            prices = spec.get("prices") or {}
+            p["requests"] += r["requests"]
+            p["usd_price_sheet"] += (r["prompt_tokens"] * float(prices.get("input_per_1m") or 0.0)
+                                     + r["generation_tokens"] * float(prices.get("output_per_1m") or 0.0)) / 1e6
+        total = sum(p["requests"] for p in by_pool.values())
+        for p in by_pool.values():
+            p["share"] = p["requests"] / total if total else None
+        out["pools"] = by_pool
+        out["usd_price_sheet"] = sum(p["usd_price_sheet"] for p in by_pool.values())
+    return out
+
+
 def wait_idle(base_url: str, timeout_s: float = 120.0) -> float:
     """Wait until the backend reports nothing running or waiting (the previous cell's leftovers)."""
     t0 = time.monotonic()
@@ -359,7 +435,8 @@ def rescale(out: RunOutput, s: float) -> RunOutput:
     res: list[RequestResult] = []
     for r in out.results:
         res.append(dataclasses.replace(r, planned=r.planned * s, sent=r.sent * s, end=r.end * s, ttft=r.ttft * s,
-                                       itl=[g * s for g in r.itl]))
+                                       itl=[g * s for g in r.itl], retry_after_s=r.retry_after_s * s,
+                                       shed_s=r.shed_s * s, wait_s=r.wait_s * s))
     load = dict(out.load, time_scale=s)
     return RunOutput(results=res, wall_start=out.wall_start, wall_end=out.wall_end, load=load,
                      workload=out.workload, target=out.target)
@@ -395,6 +472,8 @@ def plan(exp: Experiment, opts: Options) -> list[tuple[Profile, dict[str, Any], 
                 continue
             for c in cases:
                 case = exp.case_for(s, c)
+                if case.profiles is not None and p.name not in case.profiles:
+                    continue
                 if opts.time_scale != 1.0:
                     if case.duration_s is not None:
                         case.duration_s *= opts.time_scale
@@ -409,10 +488,11 @@ def run_cell(exp: Experiment, profile: Profile, shape: dict[str, Any], case: Cas
     s = time_scale(exp, profile)
     arr, dur, timeout, drain = to_wall(case, s)
     load = LoadSpec(arrival=arrivals.from_spec(arr) if arr else None, concurrency=case.concurrency, duration_s=dur,
-                    num_requests=case.num_requests, timeout_s=timeout, drain_s=drain, seed=exp.seed)
+                    num_requests=case.num_requests, timeout_s=timeout, drain_s=drain, seed=exp.seed,
+                    clients=case.clients, honor_retry_after=case.honor_retry_after)
     workload = workloads.from_spec(case.workload, Path(exp.source).parent)
-    target = Target(url, served_name(exp))
-    window = StatsWindow(url, s) if use_gateway else None
+    target = Target(url, profile.model or served_name(exp))
+    window = StatsWindow(url, s, exp.backend.get("admin_key")) if use_gateway else None
     if window:
         window.begin()
     progress = None
@@ -424,7 +504,12 @@ def run_cell(exp: Experiment, profile: Profile, shape: dict[str, Any], case: Cas
     with progress if progress else contextlib.nullcontext():
         out = run_sync(target, workload, load, progress)
     label = f"{shape['name']} {case.name} / {profile.name}"
-    result = run_result(rescale(out, s), slo=exp.slo, usd_per_hour=usd_per_hour(exp), label=label)
+    scaled = rescale(out, s)
+    result = run_result(scaled, slo=exp.slo, usd_per_hour=usd_per_hour(exp), label=label)
+    if "admission" in exp.compare:  # per-request columns the admission verdicts read
+        from usefulwork.loadtest.admission import per_request
+
+        result["per_request"] = per_request(scaled.results, exp.slo, s)
     if window:
         result["gateway"] = window.end(result)
     return result
@@ -474,8 +559,11 @@ def meta(exp: Experiment) -> dict[str, Any]:
         except Exception:  # noqa: BLE001 - informational only
             pass
     else:
-        m["serving hardware"] = f"simulated {b.get('gpu_name', 'A100-80G')} x{b.get('tp', 1)} (usefulwork sim)"
-        m["model"] = f"{b.get('model', 'Llama-3.1-8B')} {b.get('precision', 'bf16')}"
+        m["serving hardware"] = "; ".join(
+            f"{p['name'] + ': ' if 'name' in p else ''}{str(p['replicas']) + ' x ' if 'replicas' in p else ''}"
+            f"simulated {p.get('gpu_name', 'A100-80G')} x{p.get('tp', 1)}" for p in backend_pools(exp)) + " (usefulwork sim)"
+        m["model"] = ", ".join(sorted({f"{p.get('model', 'Llama-3.1-8B')} {p.get('precision', 'bf16')}"
+                                       for p in backend_pools(exp)}))
         m["time scale"] = ", ".join(f"{p.name}: {time_scale(exp, p):g}" for p in exp.profiles) + \
             " simulated s per wall s (results are in simulated seconds)"
     gpu = b.get("gpu") or {}
@@ -507,15 +595,30 @@ def run_experiment(exp: Experiment, opts: Options, console: Console) -> dict[str
         with cpu_lock(opts.cpu_lock):
             lock_wait = time.monotonic() - t_prof
             t_prof = time.monotonic()  # lock waits are reported apart from the matrix's own time
-            backend = _backend_process(exp, profile, backend_port, out_dir / f"backend-{profile.name}.log")
-            console.print(f"[bold]{profile.name}[/]: starting {exp.backend['kind']} backend on :{backend_port}")
-            backend.start()
+            backends, urls, kv_endpoints, backend_specs = [], [], {}, []
+            for pi, pool in enumerate(backend_pools(exp)):
+                urls.append([])
+                for ri in range(int(pool.get("replicas", 1))):
+                    port = backend_port if not backends else (free_port() if opts.port_base is None
+                                                              else opts.port_base + 100 + 10 * i + len(backends))
+                    kv_port = free_port() if pool.get("kv_events") else None
+                    tag = "" if len(backend_pools(exp)) == 1 and int(pool.get("replicas", 1)) == 1 else f"-{pi}.{ri}"
+                    b = _backend_process(exp, profile, port, out_dir / f"backend-{profile.name}{tag}.log", pool, kv_port)
+                    console.print(f"[bold]{profile.name}[/]: starting {exp.backend['kind']} backend on :{port}")
+                    b.start()
+                    backends.append(b)
+                    backend_specs.append(pool)
+                    urls[-1].append(b.base_url)
+                    if kv_port is not None:
+                        kv_endpoints[b.base_url] = f"tcp://127.0.0.1:{kv_port}"
+            backend = backends[0]
             gateway = None
             try:
-                backend.wait_ready(timeout_s=600)
+                for b in backends:
+                    b.wait_ready(timeout_s=600)
                 url = backend.base_url
                 if opts.use_gateway:
-                    gateway = Gateway(gateway_config(exp, profile, backend.base_url, gw_port,
+                    gateway = Gateway(gateway_config(exp, profile, urls, gw_port, kv_endpoints,
                                                      out_dir / f"ledger-{profile.name}.jsonl"), out_dir)
                     gateway.start()
                     url = gateway.base_url
@@ -524,9 +627,16 @@ def run_experiment(exp: Experiment, opts: Options, console: Console) -> dict[str
                 for p, shape, case in cells_plan:
                     if p is not profile:
                         continue
-                    wait_idle(backend.base_url)
+                    for b in backends:
+                        wait_idle(b.base_url)
+                    before = backend_counters([b.base_url for b in backends])
                     result = run_cell(exp, profile, shape, case, url, opts.use_gateway,
                                       None if opts.quiet else console)
+                    result["backends"] = backend_deltas([b.base_url for b in backends], before,
+                                                        backend_counters([b.base_url for b in backends]), backend_specs)
+                    sheet = result["backends"].get("usd_price_sheet")
+                    if sheet is not None and result.get("completed"):
+                        result["backends"]["usd_price_sheet_per_1k_successful"] = sheet / result["completed"] * 1e3
                     cells.append({"shape": shape["name"], "case": case.name, "profile": profile.name,
                                   "result": result})
                     r = result
@@ -539,11 +649,16 @@ def run_experiment(exp: Experiment, opts: Options, console: Console) -> dict[str
                 t_stop = time.monotonic()
                 if gateway:
                     gateway.stop()
-                backend.stop()
+                for b in backends:
+                    b.stop()
                 timings[profile.name] = {"lock_wait_s": lock_wait, "start_s": started,
                                          "stop_s": time.monotonic() - t_stop,
                                          "total_s": time.monotonic() - t_prof}
     data["ratios"] = ratios(exp, cells)
+    if "admission" in exp.compare:  # the admission experiment's verdicts (loadtest/admission.py)
+        from usefulwork.loadtest.admission import verdicts
+
+        data["admission"] = verdicts(exp, cells)
     data["total_wall_s"] = time.monotonic() - t_start
     data["total_wall_without_lock_waits_s"] = data["total_wall_s"] - sum(t.get("lock_wait_s", 0.0) for t in timings.values())
     write_json(out_dir / "results.json", data)
@@ -554,6 +669,10 @@ def main(args: argparse.Namespace, console: Console) -> int:
     from usefulwork.loadtest import report
     from usefulwork.loadtest.tables import print_gateway_compare, print_matrix, print_ratios
 
+    if args.experiment == "autoscale":  # a virtual-clock what-if, not a matrix of live cells (loadtest/autoscale.py)
+        from usefulwork.loadtest.autoscale import main as autoscale_main
+
+        return autoscale_main(args, console)
     exp = load_experiment(args.experiment)
     opts = Options(cases=args.case, profiles=args.profile, shapes=args.shape, out_dir=args.out_dir,
                    time_scale=args.time_scale, use_gateway=not args.no_gateway, port_base=args.port_base,

@@ -17,8 +17,9 @@ from typing import Any
 import httpx
 
 
-def fetch(base_url: str, timeout_s: float = 5.0) -> dict[str, Any]:
-    r = httpx.get(f"{base_url}/usefulwork/stats", timeout=timeout_s)
+def fetch(base_url: str, timeout_s: float = 5.0, api_key: str | None = None) -> dict[str, Any]:
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else None  # the admin key, where keys exist
+    r = httpx.get(f"{base_url}/usefulwork/stats", timeout=timeout_s, headers=headers)
     r.raise_for_status()
     return r.json()
 
@@ -79,15 +80,16 @@ def compare(result: dict[str, Any], gw: dict[str, Any], time_scale: float = 1.0)
 
 
 class StatsWindow:
-    def __init__(self, base_url: str, time_scale: float = 1.0) -> None:
+    def __init__(self, base_url: str, time_scale: float = 1.0, api_key: str | None = None) -> None:
         self.base_url = base_url
+        self.api_key = api_key
         self.time_scale = time_scale
         self.before: dict[str, Any] | None = None
         self.error: str | None = None
 
     def begin(self) -> None:
         try:
-            self.before = fetch(self.base_url)
+            self.before = fetch(self.base_url, api_key=self.api_key)
         except (httpx.HTTPError, ValueError, KeyError) as exc:
             self.error = f"GET /usefulwork/stats failed: {exc}"
 
@@ -98,11 +100,14 @@ class StatsWindow:
         deadline = time.monotonic() + settle_s
         while True:
             try:
-                after = fetch(self.base_url)
+                after = fetch(self.base_url, api_key=self.api_key)
                 gw = delta(self.before, after)
             except (httpx.HTTPError, ValueError, KeyError) as exc:
                 return {"error": f"GET /usefulwork/stats failed: {exc}"}
             if gw["requests"] >= result["num_prompts"] or time.monotonic() >= deadline:
                 break
             time.sleep(0.2)
-        return {"figures": gw, "compare": compare(result, gw, self.time_scale)}
+        out = {"figures": gw, "compare": compare(result, gw, self.time_scale)}
+        if after.get("filters"):
+            out["filters"] = after["filters"]  # e.g. admission's limit, queues and sheds at the cell's end
+        return out

@@ -39,6 +39,10 @@ class LoadSpec:
     timeout_s: float = 60.0
     drain_s: float | None = None  # None: the per-request timeout
     seed: int = 0
+    # A client mix: each request is sent as one entry, drawn by ``weight`` (tenants by API key,
+    # priority classes by the x-usefulwork-priority header). None: one client (the target's key).
+    clients: list[dict[str, Any]] | None = None
+    honor_retry_after: bool = False  # wait out a 429's Retry-After and retry (client.send)
 
     def validate(self, timed_workload: bool) -> None:
         if self.arrival is None and self.concurrency is None and not timed_workload:
@@ -62,6 +66,8 @@ class LoadSpec:
             "timeout_s": self.timeout_s,
             "drain_s": self.drain_s if self.drain_s is not None else self.timeout_s,
             "seed": self.seed,
+            "clients": [{k: v for k, v in c.items() if k != "api_key"} for c in self.clients] if self.clients else None,
+            "honor_retry_after": self.honor_retry_after,
         }
 
 
@@ -137,6 +143,10 @@ class Runner:
         self.counters = Counters()
         self.results: list[RequestResult] = []
         self._tasks: set[asyncio.Task] = set()
+        self._mix_rng = np.random.default_rng(load.seed + 104729)  # client draws independent of the rest
+        if load.clients:
+            w = np.array([float(c.get("weight", 1.0)) for c in load.clients])
+            self._mix_p = w / w.sum()
 
     def _done(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
@@ -159,9 +169,16 @@ class Runner:
         c.sent += 1
         c.in_flight += 1
         c.recent_sends.append(time.perf_counter())
+        api_key, headers, group = self.target.api_key, None, ""
+        if self.load.clients:
+            c = self.load.clients[int(self._mix_rng.choice(len(self.load.clients), p=self._mix_p))]
+            api_key = c.get("api_key", api_key)
+            group = c.get("name", "")
+            headers = {"x-usefulwork-priority": c["priority"]} if c.get("priority") else None
         task = asyncio.create_task(client_mod.send(http, self.target.base_url, spec, self.target.model,
                                                    timeout_s=self.load.timeout_s, clock0=clock0, planned=planned,
-                                                   api_key=self.target.api_key))
+                                                   api_key=api_key, headers=headers, group=group,
+                                                   honor_retry_after=self.load.honor_retry_after))
         self._tasks.add(task)
         task.add_done_callback(self._done)
         return task

@@ -167,6 +167,7 @@ class Lengths:
 class SharedPrefix:
     groups: int
     prefix_tokens: int
+    hot_share: float = 0.0  # share of requests that use group 0 (one very popular prefix); the rest uniform
 
 
 @dataclass
@@ -192,7 +193,8 @@ class Synthetic:
             n_out = self.output_tokens.sample(rng)
             kind = ""
             if prefixes:
-                g = int(rng.integers(0, len(prefixes)))
+                hot = self.shared_prefix.hot_share  # type: ignore[union-attr]
+                g = 0 if hot and rng.random() < hot else int(rng.integers(0, len(prefixes)))
                 body = prefixes[g] + random_text(rng, max(1, n_in - self.shared_prefix.prefix_tokens))  # type: ignore[union-attr]
                 kind = f"prefix-{g}"
             else:
@@ -206,7 +208,8 @@ class Synthetic:
                              "output_tokens": self.output_tokens.describe(), "endpoint": self.endpoint,
                              "ignore_eos": self.ignore_eos}
         if self.shared_prefix:
-            d["shared_prefix"] = {"groups": self.shared_prefix.groups, "prefix_tokens": self.shared_prefix.prefix_tokens}
+            d["shared_prefix"] = {"groups": self.shared_prefix.groups, "prefix_tokens": self.shared_prefix.prefix_tokens,
+                                  "hot_share": self.shared_prefix.hot_share}
         return d
 
 
@@ -331,9 +334,12 @@ def from_spec(spec: Mapping[str, Any], base_dir: Path | None = None) -> Workload
         if sp is not None:
             if not isinstance(sp, Mapping) or "groups" not in sp or "prefix_tokens" not in sp:
                 raise WorkloadError("shared_prefix needs groups and prefix_tokens")
-            shared = SharedPrefix(groups=int(sp["groups"]), prefix_tokens=int(sp["prefix_tokens"]))
+            shared = SharedPrefix(groups=int(sp["groups"]), prefix_tokens=int(sp["prefix_tokens"]),
+                                  hot_share=float(sp.get("hot_share", 0.0)))
             if shared.groups < 1 or shared.prefix_tokens < 4:
                 raise WorkloadError("shared_prefix: groups >= 1 and prefix_tokens >= 4")
+            if not 0.0 <= shared.hot_share <= 1.0:
+                raise WorkloadError(f"shared_prefix.hot_share: {shared.hot_share} out of range [0, 1]")
         endpoint = spec.get("endpoint", "completions")
         if endpoint not in ("completions", "chat"):
             raise WorkloadError(f"endpoint must be 'completions' or 'chat', got {endpoint!r}")

@@ -47,6 +47,8 @@ class Replica:
     kv_usage: float = 0.0
     prefix_queries: float = 0.0
     prefix_hits: float = 0.0
+    num_gpu_blocks: float = 0.0  # vllm:cache_config_info labels: the KV cache's size (admission's cap)
+    block_size: float = 0.0
     last_scrape: float = 0.0
     http: UpstreamPool | None = None  # the data-path connection pool (set by Fleet)
 
@@ -106,6 +108,9 @@ def parse_metrics(text: str) -> dict[str, float]:
         if end < 0:
             end = line.find(" ")
         name = line[:end]
+        if name == "vllm:cache_config_info":
+            out.update(_cache_config(line))
+            continue
         attr = SCRAPED.get(name)
         if attr is None:
             continue
@@ -114,6 +119,20 @@ def parse_metrics(text: str) -> dict[str, float]:
         except (IndexError, ValueError):
             continue
         out[attr] = out.get(attr, 0.0) + value
+    return out
+
+
+def _cache_config(line: str) -> dict[str, float]:
+    """``num_gpu_blocks`` and ``block_size`` from the labels of ``vllm:cache_config_info``."""
+    out = {}
+    for key in ("num_gpu_blocks", "block_size"):
+        i = line.find(f'{key}="')
+        if i >= 0:
+            j = line.find('"', i + len(key) + 2)
+            try:
+                out[key] = float(line[i + len(key) + 2:j])
+            except ValueError:
+                pass
     return out
 
 
@@ -129,7 +148,7 @@ class Fleet:
         t = cfg.timeouts
         for r in self.replicas:
             r.http = UpstreamPool(r.url, connect_timeout=t.connect_s, read_timeout=t.read_s,
-                                   header_timeout=t.first_byte_s)
+                                   header_timeout=t.first_byte_s, max_body_bytes=cfg.limits.max_upstream_body_bytes)
         self._task: asyncio.Task | None = None
 
     # -- reads --

@@ -21,6 +21,7 @@ from starlette.routing import BaseRoute, Route
 
 from usefulwork.upstream.fleet import Fleet
 from usefulwork.config import Config
+from usefulwork.gateway.access import FLEET, Access
 from usefulwork.gateway.accounting.ledger import Ledger
 from usefulwork.gateway.accounting.sinks import Sink, from_config
 from usefulwork.gateway.accounting.telemetry import Telemetry
@@ -35,15 +36,21 @@ class AccountingBundle:
     telemetry: Telemetry | None = None
 
 
-def _routes(accountant: Ledger) -> list[BaseRoute]:
+def _routes(accountant: Ledger, access: Access) -> list[BaseRoute]:
     page = DASHBOARD.read_bytes()
 
     async def stats(request: Request) -> Response:
+        scope = access.stats_scope(request)  # admin: the fleet; a tenant key: its own figures only
+        if isinstance(scope, Response):
+            return scope
         with_series = request.query_params.get("series") in ("1", "true", "yes")
-        body = orjson.dumps(accountant.snapshot(with_series), option=orjson.OPT_SERIALIZE_NUMPY)
+        snap = accountant.snapshot(with_series)
+        body = orjson.dumps(snap if scope == FLEET else access.tenant_view(snap, scope), option=orjson.OPT_SERIALIZE_NUMPY)
         return Response(body, media_type="application/json", headers={"Cache-Control": "no-store"})
 
     async def dashboard(request: Request) -> Response:
+        if (denied := access.dashboard(request)) is not None:
+            return denied
         return HTMLResponse(page, headers={"Cache-Control": "no-store"})
 
     return [
@@ -61,4 +68,4 @@ def build(cfg: Config, fleet: Fleet, *, sinks: list[Sink] | None = None,
     if telemetry is None:
         telemetry = Telemetry(cfg, accountant.meters)
     accountant.telemetry = telemetry
-    return AccountingBundle(accountant=accountant, routes=_routes(accountant), telemetry=telemetry)
+    return AccountingBundle(accountant=accountant, routes=_routes(accountant, Access(cfg)), telemetry=telemetry)

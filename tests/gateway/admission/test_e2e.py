@@ -1,0 +1,182 @@
+"""Admission end to end: real gateway processes (`usefulwork serve --config`) in front of the
+simulator, the real openai SDK, the real Redis shared by two gateways, a Redis that dies mid-run.
+
+Needs the request pipeline (the endpoint runs ``cfg.filters``)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+import uuid
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import free_port
+from tests.gateway.admission.test_limits import _start_redis
+from usefulwork.backends.sim.process import SimProcess
+from usefulwork.gateway.tenants import hash_key
+from usefulwork.loadtest.experiment import Gateway
+
+pytestmark = pytest.mark.slow
+MODEL = "llama"
+
+
+@pytest.fixture(scope="module")
+def sim(tmp_path_factory):
+    p = SimProcess(gpu="A100-80G", model="Llama-3.1-8B", served_name=MODEL, port=free_port(), time_scale=1.0,
+                   log_path=tmp_path_factory.mktemp("sim") / "sim.log")
+    p.start()
+    try:
+        p.wait_ready(timeout_s=60)
+        yield p
+    finally:
+        p.stop()
+
+
+def gateway(sim, tmp_path, **over) -> Gateway:
+    cfg = {"listen": {"host": "127.0.0.1", "port": free_port()},
+           "pools": [{"name": "a100", "models": [MODEL], "replicas": [sim.base_url],
+                      "prices": {"input_per_1m": 10000.0, "output_per_1m": 10000.0}}],
+           "filters": ["admission"], **over}
+    return Gateway(cfg, tmp_path).start()
+
+
+def body(max_tokens: int = 4) -> dict:
+    return {"model": MODEL, "prompt": "hello " * 50, "max_tokens": max_tokens, "ignore_eos": True}
+
+
+def test_openai_sdk_sees_rate_limit_error_with_retry_after_and_can_honour_it(sim, tmp_path):
+    gw = gateway(sim, tmp_path, slo={"ttft_ms": 300, "e2e_ms": 30000},
+                 admission={"initial_concurrency": 1, "max_concurrency": 1},
+                 tenants={"t": {"key_hashes": [hash_key("sdk-key")]}})
+    try:
+        c0 = openai.OpenAI(base_url=gw.base_url + "/v1", api_key="sdk-key", max_retries=0)
+        c0.completions.create(model=MODEL, prompt="warm " * 50, max_tokens=64, extra_body={"ignore_eos": True})
+
+        async def run():
+            long = asyncio.to_thread(c0.completions.create, model=MODEL, prompt="a " * 50, max_tokens=400,
+                                     extra_body={"ignore_eos": True})
+            task = asyncio.ensure_future(long)
+            await asyncio.sleep(0.3)
+            try:
+                await asyncio.to_thread(c0.completions.create, model=MODEL, prompt="b " * 50, max_tokens=400,
+                                        extra_body={"ignore_eos": True})
+            except openai.RateLimitError as exc:
+                err = exc
+            else:
+                err = None
+            honoured_t0 = time.monotonic()
+            c2 = openai.OpenAI(base_url=gw.base_url + "/v1", api_key="sdk-key", max_retries=4)
+            r = await asyncio.to_thread(c2.completions.create, model=MODEL, prompt="c " * 50, max_tokens=8,
+                                        extra_body={"ignore_eos": True})
+            await task
+            return err, r, time.monotonic() - honoured_t0
+
+        err, r, took = asyncio.run(run())
+        assert isinstance(err, openai.RateLimitError)
+        h = err.response.headers
+        assert float(h["retry-after-ms"]) > 0 and int(h["retry-after"]) >= 1
+        assert h["x-usefulwork-shed-reason"] == "predicted_wait"
+        assert err.body["code"] == "predicted_wait"
+        assert r.usage.completion_tokens == 8  # the SDK waited as told and got in
+    finally:
+        gw.stop()
+
+
+def test_bad_input_nothing_forwarded(sim, tmp_path):
+    gw = gateway(sim, tmp_path, tenants={"ok": {"key_hashes": [hash_key("good")]},
+                                         "off": {"key_hashes": [hash_key("disabled")], "enabled": False}})
+    try:
+        before = httpx.get(sim.base_url + "/metrics").text.count("\n")
+        url = gw.base_url + "/v1/completions"
+        r = httpx.post(url, json=body(), headers={"authorization": "Bearer good", "x-usefulwork-priority": "vip"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_priority"
+        for auth, status in (("Bearer wrong", 401), ("Basic ???", 401), ("Bearer disabled", 403), ("", 401)):
+            r = httpx.post(url, json=body(), headers={"authorization": auth} if auth else {})
+            assert r.status_code == status and "error" in r.json()
+        assert before == httpx.get(sim.base_url + "/metrics").text.count("\n")
+        stats = httpx.get(gw.base_url + "/usefulwork/stats", headers={"authorization": "Bearer good"}).json()
+        assert set(stats["tenants"]) <= {"ok"}  # nothing of another tenant shown
+    finally:
+        gw.stop()
+
+
+def _redis_keys(url: str, prefix: str) -> list[bytes]:
+    import redis
+
+    return redis.Redis.from_url(url).keys(prefix + "*")
+
+
+def test_two_gateways_share_rpm_and_budget_through_redis(sim, tmp_path, redis_url):
+    prefix = f"uwtest:{uuid.uuid4().hex}"
+    tenants = {"burst": {"key_hashes": [hash_key("kb")], "rpm": 100},
+               "spend": {"key_hashes": [hash_key("ks")], "budget_usd_per_day": 3.0}}
+    adm = {"redis_url": redis_url, "redis_prefix": prefix, "initial_concurrency": 256}  # only the limits bind
+    gws = [gateway(sim, tmp_path, tenants=tenants, admission=adm) for _ in range(2)]
+    try:
+        async def burst():
+            async with httpx.AsyncClient(timeout=60) as c:
+                rs = await asyncio.gather(*(c.post(gws[i % 2].base_url + "/v1/completions", json=body(1),
+                                                   headers={"authorization": "Bearer kb"}) for i in range(160)))
+            return [r.status_code for r in rs], [r.headers.get("x-usefulwork-shed-reason") for r in rs]
+
+        t0 = time.monotonic()
+        statuses, reasons = asyncio.run(burst())
+        elapsed = time.monotonic() - t0
+        ok = statuses.count(200)
+        assert ok >= 100 and ok <= (100 + 100 / 60 * elapsed) * 1.01, (ok, elapsed)
+        assert all(s == 429 and why == "rpm" for s, why in zip(statuses, reasons) if s != 200)
+
+        # Each request: ~60 prompt + 4 output tokens at $10,000 / 1M = ~$0.64; budget $3 across both.
+        served = 0
+        for i in range(12):
+            r = httpx.post(gws[i % 2].base_url + "/v1/completions", json=body(4),
+                           headers={"authorization": "Bearer ks"}, timeout=60)
+            if r.status_code == 200:
+                served += 1
+            else:
+                assert r.status_code == 429 and r.json()["error"]["code"] == "budget"
+        assert 3 <= served <= 6
+        for g in gws:  # both gateways refuse now
+            r = httpx.post(g.base_url + "/v1/completions", json=body(4), headers={"authorization": "Bearer ks"})
+            assert r.status_code == 429 and r.headers["x-usefulwork-shed-reason"] == "budget"
+    finally:
+        for g in gws:
+            g.stop()
+        import redis
+
+        keys = _redis_keys(redis_url, prefix)
+        if keys:
+            redis.Redis.from_url(redis_url).delete(*keys)
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed (make test installs it)")
+def test_gateway_keeps_serving_when_redis_dies_and_recovers(sim, tmp_path):
+    port = free_port()
+    server = _start_redis(port, tmp_path)
+    url = f"redis://127.0.0.1:{port}/0"
+    gw = gateway(sim, tmp_path, tenants={"t": {"key_hashes": [hash_key("k")], "rpm": 10000}},
+                 admission={"redis_url": url, "redis_prefix": "uw", "redis_retry_s": 0.5})
+    try:
+        post = lambda: httpx.post(gw.base_url + "/v1/completions", json=body(1), headers={"authorization": "Bearer k"},
+                                  timeout=30).status_code
+        assert post() == 200 and _redis_keys(url, "uw")
+        server.kill()
+        server.wait()
+        assert [post() for _ in range(20)] == [200] * 20  # fail-open: per-process limits
+        restarted = _start_redis(port, tmp_path)
+        try:
+            time.sleep(0.6)
+            assert post() == 200 and _redis_keys(url, "uw")  # shared again
+        finally:
+            restarted.kill()
+            restarted.wait()
+        log = gw.log_path.read_text()
+        assert log.count("Redis unreachable") == 1 and "Redis is back" in log
+    finally:
+        gw.stop()
+        if server.poll() is None:
+            server.kill()

@@ -1,0 +1,209 @@
+"""Tenant limits against the real Redis: atomic buckets shared by processes, budgets, and a Redis
+that dies and comes back (a redis-server started here on a free port)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from tests.conftest import free_port
+from usefulwork.gateway.admission.limits import FailoverLimits, LocalLimits, RedisLimits, StoreDown
+from usefulwork.gateway.tenants import TenantCfg
+
+
+def test_local_bucket_refills_on_the_virtual_clock():
+    now = [0.0]
+    lim = LocalLimits(clock=lambda: now[0])
+    cfg = TenantCfg(rpm=60)
+
+    async def go():
+        got = [(await lim.check("t", cfg, 10)).ok for _ in range(61)]
+        assert got.count(True) == 60 and not got[-1]
+        v = await lim.check("t", cfg, 10)
+        assert v.reason == "rpm" and v.retry_after_s == pytest.approx(1.0)
+        now[0] = 1.0  # one request's worth refilled
+        assert (await lim.check("t", cfg, 10)).ok
+        assert not (await lim.check("t", cfg, 10)).ok
+
+    asyncio.run(go())
+
+
+def test_redis_limits_rpm_tpm_budget(redis_url):
+    prefix = f"uwtest:{uuid.uuid4().hex}"
+    lim = RedisLimits(redis_url, prefix)
+    cfg = TenantCfg(rpm=5, tpm=1000, budget_usd_per_day=1.0)
+
+    async def go():
+        try:
+            got = [(await lim.check("t", cfg, 100)) for _ in range(6)]
+            assert [v.ok for v in got] == [True] * 5 + [False] and got[5].reason == "rpm"
+            assert 0 < got[5].retry_after_s <= 12.0
+            await lim.settle("t", cfg, 600, 0.6)  # actual tokens 600 more than reserved; $0.60
+            assert await lim.spent_today("t") == pytest.approx(0.6)
+            v = await lim.check("t2", TenantCfg(tpm=1000), 2000)
+            assert v.reason == "tpm_too_large"
+            await lim.settle("t", cfg, 0, 0.5)
+            v = await lim.check("t", cfg, 1)
+            assert (v.ok, v.reason) == (False, "budget") and v.retry_after_s > 0
+        finally:
+            keys = await lim.r.keys(prefix + "*")
+            if keys:
+                await lim.r.delete(*keys)
+            await lim.close()
+
+    asyncio.run(go())
+
+
+_WORKER = r"""
+import asyncio, sys, time
+from usefulwork.gateway.admission.limits import RedisLimits
+from usefulwork.gateway.tenants import TenantCfg
+url, prefix, n, start_at = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+async def main():
+    lim = RedisLimits(url, prefix, timeout_s=5.0)  # atomicity under test, not timeouts (a loaded CI box)
+    cfg = TenantCfg(rpm=1000)
+    while time.time() < start_at:
+        await asyncio.sleep(0.001)
+    ok = 0
+    async def one():
+        nonlocal ok
+        v = await lim.check("burst", cfg, 1)
+        ok += v.ok
+    await asyncio.gather(*(one() for _ in range(n)))
+    print(ok, time.time())
+    await lim.close()
+asyncio.run(main())
+"""
+
+
+def test_two_processes_share_one_limit_without_overshoot(redis_url):
+    """Two processes fire 1500 checks each at once against rpm=1000: what they admit together
+    stays within 1% of the limit plus what refilled while they ran."""
+    prefix = f"uwtest:{uuid.uuid4().hex}"
+    start_at = time.time() + 1.5
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    procs = [subprocess.Popen([sys.executable, "-c", _WORKER, redis_url, prefix, "1500", str(start_at)],
+                              stdout=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    outs = [p.communicate(timeout=60)[0].split() for p in procs]
+    admitted = sum(int(o[0]) for o in outs)
+    elapsed = max(float(o[1]) for o in outs) - start_at
+    allowed = 1000 + 1000 / 60 * elapsed
+    assert admitted >= 1000  # the limit is reachable
+    assert admitted <= allowed * 1.01, (admitted, elapsed)
+    import redis
+
+    r = redis.Redis.from_url(redis_url)
+    keys = r.keys(prefix + "*")
+    if keys:
+        r.delete(*keys)
+
+
+def _start_redis(port: int, tmp) -> subprocess.Popen:
+    p = subprocess.Popen([shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                          "--appendonly", "no", "--dir", str(tmp)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    import redis
+
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            redis.Redis(port=port).ping()
+            return p
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                p.kill()
+                raise
+            time.sleep(0.05)
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed (make test installs it)")
+def test_redis_killed_and_restarted_fails_open_logs_once_and_recovers(tmp_path, caplog):
+    port = free_port()
+    server = _start_redis(port, tmp_path)
+    url = f"redis://127.0.0.1:{port}/0"
+    cfg = TenantCfg(rpm=1000)
+    caplog.set_level(logging.WARNING, logger="usefulwork.admission")
+
+    async def go():
+        lim = FailoverLimits(RedisLimits(url, "uw"), LocalLimits(), retry_s=0.3)
+        try:
+            assert (await lim.check("t", cfg, 1)).ok and not lim.down
+            server.kill()
+            server.wait()
+            results = [await lim.check("t", cfg, 1) for _ in range(50)]  # served by per-process limits
+            assert all(v.ok for v in results) and lim.down
+            await lim.settle("t", TenantCfg(budget_usd_per_day=1.0), 0, 0.1)  # also falls back, no raise
+            down_logs = [r for r in caplog.records if "unreachable" in r.getMessage()]
+            assert len(down_logs) == 1
+            restarted = _start_redis(port, tmp_path)
+            try:
+                await asyncio.sleep(0.35)
+                assert (await lim.check("t", cfg, 1)).ok and not lim.down
+                assert any("is back" in r.getMessage() for r in caplog.records)
+                import redis.asyncio as aioredis
+
+                r = aioredis.Redis.from_url(url)
+                assert await r.exists("uw:t:rpm")  # the shared bucket is in use again
+                await r.aclose()
+            finally:
+                restarted.kill()
+                restarted.wait()
+        finally:
+            await lim.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        if server.poll() is None:
+            server.kill()
+
+
+def test_fail_closed_raises_store_down_while_redis_is_unreachable():
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+
+    async def go():
+        lim = FailoverLimits(RedisLimits(url, "uw"), LocalLimits(), fail_closed=True)
+        try:
+            with pytest.raises(StoreDown):
+                await lim.check("t", TenantCfg(rpm=10), 1)
+            assert (await lim.check("t", TenantCfg(), 1)).ok  # no limits configured: no store needed
+        finally:
+            await lim.close()
+
+    asyncio.run(go())
+
+
+def test_fair_share_counters_are_shared_through_redis(redis_url):
+    """Two processes' queues (here two syncers) converge on the fleet-wide tokens served per tenant."""
+    import redis.asyncio as aioredis
+
+    from usefulwork.gateway.admission.limits import FairShareSync
+
+    prefix = f"uwtest:{uuid.uuid4().hex}"
+
+    async def go():
+        r = aioredis.Redis.from_url(redis_url)
+        a, b = FairShareSync(r, prefix), FairShareSync(r, prefix)
+        ca, cb = {"heavy": 3000.0}, {"quiet": 100.0}
+        await a.sync("p", ca)
+        await b.sync("p", cb)
+        await a.sync("p", ca)
+        assert ca == cb == {"heavy": 3000.0, "quiet": 100.0}
+        ca["heavy"] += 500.0  # served more in A since; B learns it at its next sync
+        cb["quiet"] += 50.0
+        await a.sync("p", ca)
+        await b.sync("p", cb)
+        assert cb == {"heavy": 3500.0, "quiet": 150.0}
+        await a.sync("p", ca)
+        assert ca == cb
+        await r.delete(f"{prefix}:vtc:p")
+        await r.aclose()
+
+    asyncio.run(go())

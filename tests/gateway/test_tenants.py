@@ -1,0 +1,81 @@
+"""Tenants: hashed keys, identify (401 / 403), the hash-key CLI, and config errors naming the field."""
+
+from __future__ import annotations
+
+import base64
+import subprocess
+import sys
+
+import pytest
+
+from usefulwork.config import ConfigError, from_mapping
+from usefulwork.gateway.errors import GatewayError
+from usefulwork.gateway.tenants import Tenants, bearer, hash_key
+
+POOL = {"name": "p", "models": ["m"], "replicas": ["http://127.0.0.1:9"]}
+
+
+def cfg(**tree):
+    return from_mapping({"pools": [POOL], **tree}, source="test.yaml", environ={})
+
+
+def test_identify_by_hashed_key_and_errors():
+    t = Tenants(cfg(tenants={"acme": {"key_hashes": [hash_key("secret-1")]},
+                             "gone": {"key_hashes": [hash_key("secret-2")], "enabled": False}}))
+    assert t.identify(b"Bearer secret-1") == "acme"
+    assert t.identify(b"bearer   secret-1 ") == "acme"
+    for bad in (None, b"", b"Bearer", b"Bearer nope", b"Token secret-1", b"Bearer \xff\xfe", b"secret-1"):
+        with pytest.raises(GatewayError) as e:
+            t.identify(bad)
+        assert e.value.status == 401 and e.value.code == "invalid_api_key"
+    with pytest.raises(GatewayError) as e:
+        t.identify(b"Bearer secret-2")
+    assert e.value.status == 403 and e.value.code == "tenant_disabled" and "gone" in e.value.message
+
+
+def test_no_keys_means_default_tenant_and_legacy_plain_keys_still_work():
+    assert Tenants(cfg()).identify(None) == "default"
+    t = Tenants(cfg(auth={"api_keys": {"plain": "old"}}))
+    assert t.identify(b"Bearer plain") == "old"
+
+
+def test_basic_auth_password_is_a_key_for_browsers():
+    assert bearer(b"Basic " + base64.b64encode(b"admin:the-key")) == "the-key"
+    assert bearer(b"Basic !!notbase64") is None
+
+
+def test_hash_key_cli_prints_a_new_key_and_its_hash():
+    out = subprocess.run([sys.executable, "-m", "usefulwork.cli", "tenants", "hash-key"], capture_output=True,
+                         text=True, check=True).stdout
+    key = out.split("key:")[1].split()[0]
+    assert f"hash: {hash_key(key)}" in out
+    out = subprocess.run([sys.executable, "-m", "usefulwork.cli", "tenants", "hash-key", "abc"], capture_output=True,
+                         text=True, check=True).stdout
+    assert out.strip() == f"hash: {hash_key('abc')}"
+
+
+@pytest.mark.parametrize("tenant, field, needle", [
+    ({"budget_usd_per_day": "50 EUR"}, "tenants.acme.budget_usd_per_day", "plain number of US dollars"),
+    ({"budget_usd_per_day": "$5"}, "tenants.acme.budget_usd_per_day", "plain number"),
+    ({"budget_usd_per_day": -1}, "tenants.acme.budget_usd_per_day", "greater than or equal"),
+    ({"budget_cents_per_day": 500}, "tenants.acme.budget_cents_per_day", "Extra inputs"),
+    ({"budget_usd_per_month": 5}, "tenants.acme.budget_usd_per_month", "Extra inputs"),
+    ({"key_hashes": ["my-plain-key"]}, "tenants.acme.key_hashes", "sha256:"),
+    ({"priority": "urgent"}, "tenants.acme.priority", "interactive"),
+    ({"weight": 0}, "tenants.acme.weight", "greater than 0"),
+    ({"rpm": 0}, "tenants.acme.rpm", "greater than or equal to 1"),
+])
+def test_bad_tenant_config_names_the_field(tenant, field, needle):
+    with pytest.raises(ConfigError) as e:
+        cfg(tenants={"acme": tenant})
+    msg = str(e.value)
+    assert f"test.yaml: {field}" in msg and needle in msg
+
+
+def test_bad_access_and_admission_config_names_the_field():
+    with pytest.raises(ConfigError, match=r"access\.metrics_token_hash: .*sha256:"):
+        cfg(access={"metrics_token_hash": "prom-token"})
+    with pytest.raises(ConfigError, match=r"admission\.on_redis_down"):
+        cfg(admission={"on_redis_down": "maybe"})
+    with pytest.raises(ConfigError, match=r"admission\.deadline_ms\.urgent"):
+        cfg(admission={"deadline_ms": {"urgent": 100}})

@@ -1,0 +1,88 @@
+"""The loadtest client honouring Retry-After (a fault-injecting transport) and the admission verdicts."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+
+from usefulwork.loadtest.admission import burst_figures, jain, per_request
+from usefulwork.loadtest.client import send
+from usefulwork.loadtest.metrics import SLOSpec
+from usefulwork.loadtest.workloads import RequestSpec
+
+SSE = (b'data: {"choices":[{"index":0,"text":"hi"}]}\n\n'
+       b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1}}\n\ndata: [DONE]\n\n')
+
+
+def run_send(responses: list[httpx.Response], honor: bool):
+    seen: list[float] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(time.perf_counter())
+        return responses[min(len(seen) - 1, len(responses) - 1)]
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as c:
+            spec = RequestSpec(index=0, endpoint="completions", max_tokens=1, input_tokens=3, prompt="x")
+            return await send(c, "http://gw", spec, "m", timeout_s=5, clock0=time.perf_counter(), planned=0.0,
+                              honor_retry_after=honor, headers={"x-usefulwork-priority": "batch"}, group="g")
+
+    return asyncio.run(go()), seen
+
+
+def shed(ms: int) -> httpx.Response:
+    return httpx.Response(429, headers={"retry-after": "1", "retry-after-ms": str(ms),
+                                        "x-usefulwork-shed-reason": "predicted_wait"}, json={"error": {}})
+
+
+def test_client_waits_retry_after_ms_then_is_admitted():
+    res, seen = run_send([shed(150), httpx.Response(200, content=SSE)], honor=True)
+    assert res.outcome == "ok" and res.retries == 1 and res.first_retry == "admitted"
+    assert res.retry_after_s == 0.15 and res.shed_reason == "predicted_wait" and res.group == "g"
+    assert seen[1] - seen[0] >= 0.15
+    assert res.ttft >= 0.15  # counted from the first send, as the user waits
+
+
+def test_client_without_honouring_stops_at_the_429_and_gives_up_after_max_retries():
+    res, seen = run_send([shed(10)], honor=False)
+    assert (res.outcome, res.retries, len(seen), res.status) == ("shed", 0, 1, 429)
+    res, seen = run_send([shed(10)], honor=True)
+    assert (res.outcome, res.retries, res.first_retry, len(seen)) == ("shed", 3, "shed", 4)
+
+
+def test_burst_figures_and_jain():
+    slo = SLOSpec.from_mapping({"ttft_ms": 2000, "tpot_ms": 100, "e2e_ms": 5000, "attainment": 0.95})
+    from usefulwork.loadtest.client import RequestResult
+
+    ok = RequestResult(index=0, kind="", planned=1.0, sent=1.0, end=3.0, ttft=0.5, output_tokens=100, status=200)
+    late = RequestResult(index=1, kind="", planned=20.0, sent=20.0, end=26.0, ttft=0.5, output_tokens=100, status=200)
+    sh = RequestResult(index=2, kind="", planned=2.0, sent=2.0, end=2.01, outcome="shed", status=429,
+                       retry_after_s=1.0, shed_s=0.01)
+    results = [ok, late, sh]
+    r = {"outcomes": [x.outcome for x in results], "ttfts": [x.ttft for x in results],
+         "latencies": [x.e2el for x in results], "start_times": [x.sent for x in results],
+         "output_lens": [10, 10, 0], "input_lens": [5, 5, 5], "duration": 45.0,
+         "per_request": per_request(results, slo, 0.5)}
+    f = burst_figures(r, slo, {"process": "onoff", "period_s": 45, "duty": 0.2, "base_rate": 1, "peak_rate": 2})
+    assert (f["served"], f["shed"], f["timeouts"]) == (2, 1, 0)
+    assert f["attainment_served"] == 0.5 and f["unserved_all_429_with_retry_after"]
+    assert abs(f["shed_answer_p99_wall_ms"] - 20.0) < 1e-9  # 0.01 simulated s at time scale 0.5
+    assert f["goodput_in_peaks_per_s"] == 1 / 9.0  # one good request in the single 9 s peak
+    assert jain([1, 1, 1, 1]) == 1.0 and abs(jain([1, 0, 0, 0]) - 0.25) < 1e-12
+
+
+def test_admission_experiment_is_valid_and_plans_its_cells():
+    from usefulwork.loadtest.experiment import Options, gateway_config, load_experiment, plan
+
+    exp = load_experiment("admission")
+    cells = [(p.name, c.name) for p, _, c in plan(exp, Options())]
+    assert ("optimized-batched-admission-off", "burst") in cells and ("optimized-batched-admission-on", "burst") in cells
+    assert ("optimized-batched-admission-on", "capacity-10") not in cells  # per-case profile selection
+    on = next(p for p in exp.profiles if p.name.endswith("admission-on"))
+    cfg = gateway_config(exp, on, "http://127.0.0.1:1", 1)
+    assert cfg["filters"] == ["admission"] and "admission" not in cfg  # the filter's defaults, nothing tuned
+    from usefulwork.config import from_mapping
+
+    assert from_mapping(cfg, environ={}).tenants["heavy"].key_hashes

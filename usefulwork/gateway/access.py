@@ -1,0 +1,92 @@
+"""Who may read what outside the OpenAI endpoints (the fleet view is private once keys exist).
+
+With no key configured anywhere (the embedded default) everything is open, as before. As soon as
+tenant keys or admin keys are configured:
+
+| path | who | what |
+|---|---|---|
+| ``/healthz`` | anyone | the process is up |
+| ``/readyz`` | anyone | ``{"ready": bool}`` (200 / 503) only; an admin key adds per-pool detail |
+| ``/metrics`` | admin key, or the Prometheus scrape token (``access.metrics_token_hash``) | everything |
+| ``/usefulwork/stats`` | admin key: the fleet view; a tenant key: its own tenant's windows only | |
+| ``/usefulwork/dashboard`` | admin key (browsers: HTTP Basic, any user name, the key as password) | |
+
+Keys come as ``Authorization: Bearer <key>`` (or Basic, for browsers). A missing or wrong key gets
+401 with an OpenAI-style body; a key that is valid but not allowed here (a tenant key on
+``/metrics``) gets 403. Figures of other tenants never reach a tenant key.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from usefulwork.gateway.errors import error_body
+from usefulwork.gateway.tenants import Tenants, bearer
+
+if TYPE_CHECKING:
+    from usefulwork.config import Config
+
+FLEET = "fleet"  # the stats scope of an admin (or of anyone when no auth is configured)
+
+
+def _deny(status: int, message: str, basic: bool = False) -> Response:
+    headers = {"WWW-Authenticate": 'Basic realm="usefulwork"' if basic else 'Bearer realm="usefulwork"'}
+    return Response(error_body(status, message, code="invalid_api_key" if status == 401 else "forbidden"),
+                    status_code=status, media_type="application/json",
+                    headers=headers if status == 401 else None)
+
+
+class Access:
+    def __init__(self, cfg: Config):
+        self.tenants = Tenants(cfg)
+
+    @property
+    def open(self) -> bool:
+        return not self.tenants.auth_enabled
+
+    def _key(self, request: Request) -> str | None:
+        return bearer(request.headers.get("authorization", "").encode("latin-1"))
+
+    def is_admin(self, request: Request) -> bool:
+        return self.open or self.tenants.is_admin(self._key(request))
+
+    def metrics(self, request: Request) -> Response | None:
+        """None when the caller may scrape /metrics, else the refusal to send."""
+        if self.open:
+            return None
+        key = self._key(request)
+        if self.tenants.is_admin(key) or self.tenants.is_metrics_token(key):
+            return None
+        if key and self.tenants.tenant_of_key(key) is not None:
+            return _deny(403, "/metrics needs the admin key or the metrics scrape token")
+        return _deny(401, "/metrics needs the admin key or the metrics scrape token")
+
+    def dashboard(self, request: Request) -> Response | None:
+        if self.is_admin(request):
+            return None
+        return _deny(401, "the dashboard needs the admin key (HTTP Basic: any user name, the key as password)",
+                     basic=True)
+
+    def stats_scope(self, request: Request) -> str | Response:
+        """``FLEET`` for an admin, the tenant's name for a tenant key, else the refusal to send."""
+        if self.is_admin(request):
+            return FLEET
+        key = self._key(request)
+        tenant = self.tenants.tenant_of_key(key)
+        if tenant is None:
+            return _deny(401, "/usefulwork/stats needs an API key (a tenant sees its own figures; the admin key all)")
+        return tenant
+
+    @staticmethod
+    def tenant_view(snapshot: dict[str, Any], tenant: str) -> dict[str, Any]:
+        """Only this tenant's figures out of the fleet snapshot (nothing about pools or other tenants)."""
+        mine = (snapshot.get("tenants") or {}).get(tenant) or {"windows": {}}
+        return {"tenant": tenant, "tenants": {tenant: mine}, "slo": snapshot.get("slo")}
+
+    def readyz(self, request: Request, ready: bool, detail: dict[str, Any]) -> Response:
+        body = {"ready": ready, **detail} if self.is_admin(request) else {"ready": ready}
+        return Response(orjson.dumps(body), status_code=200 if ready else 503, media_type="application/json")

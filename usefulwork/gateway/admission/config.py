@@ -1,0 +1,36 @@
+"""The ``admission:`` config section (the admission filter's settings; tenants are ``tenants:``)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from usefulwork.gateway.tenants import Priority
+
+
+class AdmissionCfg(BaseModel):
+    """Admission control: per-pool queues with priorities, deadlines, fair sharing; tenant limits."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    deadline_ms: dict[Priority, float] = Field(
+        default_factory=lambda: {"batch": 60000.0},
+        description="Queueing deadline (time to first token) per priority class; a class not named uses slo.ttft_ms.")
+    initial_concurrency: int = Field(8, ge=1, description="Requests in flight per healthy replica before any measurement.")
+    max_concurrency: int | None = Field(None, ge=1, description="Optional cap on requests in flight per pool (None: measured only).")
+    min_concurrency: int = Field(1, ge=1, description="The adaptive limit never goes below this per pool.")
+    target_fraction: float = Field(0.7, gt=0, le=1, description="The limit grows while the running means of admitted "
+                                   "requests' service TTFT, TPOT and E2E stay under this fraction of the SLO, and "
+                                   "shrinks when not (means: the tail needs the rest of the SLO).")
+    kv_high: float = Field(0.95, gt=0, le=1, description="KV-cache usage above which a pool is saturated (no growth).")
+    reserve_fraction: float = Field(0.1, ge=0, lt=1, description="Share of the limit that only interactive work may use "
+                                    "(so an interactive request rarely waits behind batch work).")
+    max_queue: int = Field(4096, ge=0, description="Queued requests per pool beyond which new ones are shed.")
+    redis_url: str | None = Field(None, description="Redis shared by all gateway processes for rate limits and budgets "
+                                  "(None: per-process limits).")
+    redis_prefix: str = Field("usefulwork:admission", description="Prefix of the Redis keys.")
+    on_redis_down: Literal["open", "closed"] = Field("open", description="Redis unreachable: 'open' keeps serving with "
+                                                     "per-process limits; 'closed' answers 503.")
+    redis_timeout_s: float = Field(1.0, gt=0, description="Per-command Redis timeout; slower counts as down.")
+    redis_retry_s: float = Field(2.0, gt=0, description="How often to try Redis again after it failed.")

@@ -1,0 +1,379 @@
+"""The ``admission`` filter: tenant limits, then the pool's queue, then ``next`` once a slot is ours.
+
+Per request: read the priority (``x-usefulwork-priority``, else the tenant's default; 400 for an
+unknown one), check the tenant's rpm / tpm / budget (429), then offer it to its pool's queue
+(usefulwork/gateway/admission/queue.py). Admitted: call ``next``. Queued: wait until a slot frees or
+the deadline passes. Shed: answer 429 with an OpenAI-style body, ``retry-after`` / ``retry-after-ms``
+and ``x-usefulwork-shed-reason``, at arrival whenever the prediction already says the deadline
+cannot be met. A tenant whose policy allows it is degraded (``max_tokens`` capped, or sent to a
+cheaper pool) instead of shed.
+
+The slot is released however the request ends: by the reply's ``on_close`` once the answer was
+sent (with the final usage in ``call.ctx``, which also settles the tenant's tokens and spend), or
+in ``finally`` when ``next`` raised or the client left while queued. Decisions go into the ledger
+record (``ctx.priority``, ``ctx.admission``, ``ctx.queue_ms``, ``ctx.shed_reason``) and into OTel:
+``usefulwork.admission.queue.depth`` (pool, priority), ``usefulwork.admission.queue.wait``,
+``usefulwork.admission.sheds`` (pool, priority, reason), ``usefulwork.admission.limit`` (pool).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import orjson
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+from usefulwork.gateway.admission.capacity import Capacity, Sample
+from usefulwork.gateway.admission.config import AdmissionCfg
+from usefulwork.gateway.admission.limits import (FailoverLimits, FairShareSync, Limits, LocalLimits, RedisLimits,
+                                                StoreDown)
+from usefulwork.gateway.admission.queue import PoolQueue, Ticket, retry_after_header
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from usefulwork.gateway.errors import JSON_HEADERS, error_body
+from usefulwork.gateway.pipeline import Call, Handler, Reply
+from usefulwork.gateway.tenants import PRIORITIES, Tenants
+
+if TYPE_CHECKING:
+    from usefulwork.gateway.pipeline import Services
+
+log = logging.getLogger("usefulwork.admission")
+
+PRIORITY_HEADER = b"x-usefulwork-priority"
+REASON_HEADER = b"x-usefulwork-shed-reason"
+_MESSAGES = {
+    "predicted_wait": "the {pool} pool is at capacity: this request cannot start within its deadline; retry after the given time",
+    "deadline": "the {pool} pool is at capacity: this request's deadline passed while it was queued",
+    "queue_full": "the {pool} pool's queue is full",
+    "sheddable": "the {pool} pool is busy and the request is sheddable",
+    "rpm": "tenant {tenant!r} is over its requests-per-minute limit",
+    "tpm": "tenant {tenant!r} is over its tokens-per-minute limit",
+    "tpm_too_large": "this request needs more tokens than tenant {tenant!r}'s tokens-per-minute limit allows",
+    "budget": "tenant {tenant!r} has spent its budget for today (UTC)",
+}
+
+
+def _error(status: int, message: str, code: str, headers: list[tuple[bytes, bytes]] | None = None,
+           param: str | None = None) -> Reply:
+    body = error_body(status, message, code=code, param=param)
+    return Reply(status, [*JSON_HEADERS, (b"content-length", str(len(body)).encode()), *(headers or [])], body=body)
+
+
+def expected_tokens(call: Call) -> tuple[int, int | None]:
+    """(prompt tokens, max_tokens) expected before the backend counts: ~4 bytes of JSON per token."""
+    raw = call.raw
+    size = len(raw) if raw is not None else len(str(call.body.get("messages") or call.body.get("prompt") or ""))
+    mt = call.body.get("max_completion_tokens") or call.body.get("max_tokens")
+    return max(1, size // 4), (int(mt) if isinstance(mt, int) and not isinstance(mt, bool) else None)
+
+
+class AdmissionFilter:
+    name = "admission"
+
+    def __init__(self, services: Services, *, clock: Callable[[], float] = time.perf_counter,
+                 limits: Limits | None = None):
+        self.services = services
+        cfg = services.cfg
+        self.cfg: AdmissionCfg = cfg.admission
+        self.clock = clock
+        self.tenants = Tenants(cfg)
+        self.slo = cfg.slo
+        self.deadline_s = [self.cfg.deadline_ms.get(p, cfg.slo.ttft_ms) / 1000.0 for p in PRIORITIES]
+        if limits is None:
+            local = LocalLimits()
+            if self.cfg.redis_url:
+                limits = FailoverLimits(RedisLimits(self.cfg.redis_url, self.cfg.redis_prefix, self.cfg.redis_timeout_s), local,
+                                        fail_closed=self.cfg.on_redis_down == "closed", retry_s=self.cfg.redis_retry_s)
+            else:
+                limits = local
+        self.limits = limits
+        shared = getattr(limits, "shared", None)
+        self.fair_sync = FairShareSync(shared.r, self.cfg.redis_prefix) if isinstance(shared, RedisLimits) else None
+        self._sync_task: asyncio.Task | None = None
+        self.queues: dict[str, PoolQueue] = {}
+        self.decisions: dict[str, int] = {"admit": 0, "queued": 0, "shed": 0, "degraded": 0, "limited": 0}
+        self._tasks: set[asyncio.Task] = set()
+        self._instruments(services.meter)
+        self.routes = [Route("/usefulwork/admission/tenants/{name}", self._tenant_status, methods=["GET"])]
+
+    # -- setup --
+    def _instruments(self, meter: Any) -> None:
+        self._wait_hist = self._sheds = None
+        if meter is None:
+            return
+        from opentelemetry.metrics import Observation  # noqa: PLC0415
+
+        def depth(_options):
+            return [Observation(n, {"pool": name, "priority": p})
+                    for name, q in self.queues.items() for p, n in q.depth().items()]
+
+        def limit(_options):
+            return [Observation(q.capacity.current(), {"pool": name}) for name, q in self.queues.items()]
+
+        meter.create_observable_gauge("usefulwork.admission.queue.depth", [depth], unit="{request}",
+                                      description="Requests waiting in the gateway's admission queue.")
+        meter.create_observable_gauge("usefulwork.admission.limit", [limit], unit="{request}",
+                                      description="The adaptive in-flight limit of each pool.")
+        self._wait_hist = meter.create_histogram("usefulwork.admission.queue.wait", unit="s",
+                                                 description="Time admitted requests spent in the admission queue.")
+        self._sheds = meter.create_counter("usefulwork.admission.sheds", unit="{request}",
+                                           description="Requests answered 429 by admission, by reason.")
+
+    def queue_for(self, call: Call) -> PoolQueue:
+        pool = call.pool
+        name = pool.name if pool is not None else f"model:{call.ctx.model}"
+        q = self.queues.get(name)
+        if q is None:
+            replicas = (lambda: pool.healthy_replicas() or pool.replicas) if pool is not None else tuple
+            cap = Capacity(self.cfg, self.slo.ttft_ms / 1000.0, self.slo.tpot_ms / 1000.0, self.slo.e2e_ms / 1000.0,
+                           replicas=replicas)
+            q = self.queues[name] = PoolQueue(name, cap, weight_of=lambda t: self.tenants.settings(t).weight,
+                                              reserve_fraction=self.cfg.reserve_fraction,
+                                              max_queue=self.cfg.max_queue, e2e_slo_s=self.slo.e2e_ms / 1000.0)
+        return q
+
+    # -- the filter --
+    async def __call__(self, call: Call, next: Handler) -> Reply:
+        ctx = call.ctx
+        tenant_cfg = self.tenants.settings(ctx.tenant)
+        raw_priority = call.header(PRIORITY_HEADER)
+        if raw_priority is not None:
+            p = raw_priority.decode("latin-1").strip().lower()
+            if p not in PRIORITIES:
+                ctx.error = "unknown priority"
+                return _error(400, f"unknown priority {raw_priority.decode('latin-1')[:40]!r} in "
+                              f"x-usefulwork-priority; use one of: {', '.join(PRIORITIES)}", "invalid_priority",
+                              param="x-usefulwork-priority")
+        else:
+            p = tenant_cfg.priority
+        ctx.priority = p
+        prompt, max_tokens = expected_tokens(call)
+        tokens = prompt + (max_tokens or 256)
+        try:
+            verdict = await self.limits.check(ctx.tenant, tenant_cfg, tokens)
+        except StoreDown:
+            return self._refuse(call, 503, "rate-limit store unavailable (on_redis_down: closed)", "limits_unavailable",
+                                None, 5.0)
+        if not verdict.ok:
+            self.decisions["limited"] += 1
+            return self._refuse(call, 429, _MESSAGES[verdict.reason].format(tenant=ctx.tenant, pool=""), verdict.reason,
+                                None, verdict.retry_after_s)
+        queue = self.queue_for(call)
+        now = self.clock()
+        cls = PRIORITIES.index(p)
+        raw = call.raw if call.raw is not None else orjson.dumps(call.body, option=orjson.OPT_SORT_KEYS)
+        t = Ticket(ctx.tenant, cls, float(tokens), now, now + self.deadline_s[cls], max_tokens=max_tokens,
+                   key=hash((ctx.tenant, raw)) or 1)  # a retry sends the same body: it finds its reserved place
+        decision = queue.offer(t, now)
+        if decision.kind == "shed" and tenant_cfg.degrade is not None:
+            queue, decision = self._degrade(call, queue, t, decision, tenant_cfg.degrade, now)
+        settled = False
+        try:
+            if decision.kind == "shed":
+                await self._settle(ctx.tenant, tenant_cfg, -tokens, 0.0)  # not served: give the tokens back
+                settled = True
+                return self._shed(call, queue, t, decision.reason, decision.retry_after_s)
+            if decision.kind == "queue":
+                self.decisions["queued"] += 1
+                ctx.admission = ctx.admission or "queued"
+                admitted = await self._wait(queue, t)
+                if not admitted:
+                    await self._settle(ctx.tenant, tenant_cfg, -tokens, 0.0)
+                    settled = True
+                    return self._shed(call, queue, t, t.shed_reason or "deadline",
+                                      self._retry_estimate(queue))
+            else:
+                self.decisions["admit"] += 1
+                ctx.admission = ctx.admission or "admit"
+            ctx.queue_ms = (t.admitted_at - t.arrival) * 1000.0
+            if self._wait_hist is not None:
+                self._wait_hist.record(t.admitted_at - t.arrival, {"pool": queue.name, "priority": p})
+            reply = await next(call)
+        except BaseException:
+            if t.state == "queued":
+                queue.cancel(t)
+                self._dispatch(queue, queue.pump(self.clock()))
+            if t.state == "admitted":
+                self._release(queue, t, call, ok=False)
+            if not settled and t.state in ("released", "cancelled"):
+                self._spawn(self._settle(ctx.tenant, tenant_cfg, -tokens, 0.0))
+            raise
+        reply.on_close(lambda: self._finish(queue, t, call, tenant_cfg, tokens))
+        return reply
+
+    # -- decisions --
+    def _degrade(self, call: Call, queue: PoolQueue, t: Ticket, decision, policy, now: float):
+        """Try the tenant's allowed degradations in order: cap max_tokens, then a cheaper pool."""
+        if policy.max_tokens is not None and decision.reason == "predicted_wait" and \
+                (t.max_tokens is None or t.max_tokens > policy.max_tokens):
+            queue.shed_total[decision.reason] -= 1
+            t.max_tokens = policy.max_tokens
+            again = queue.offer(t, now)
+            if again.kind != "shed":
+                call.set_body({**call.body, "max_tokens": policy.max_tokens})
+                call.body.pop("max_completion_tokens", None)
+                call.ctx.max_tokens = policy.max_tokens
+                call.ctx.admission = f"degraded:max_tokens={policy.max_tokens}"
+                self.decisions["degraded"] += 1
+                return queue, again
+            decision = again
+        fleet = self.services.fleet
+        alt = fleet.pools.get(policy.pool) if (policy.pool and fleet is not None) else None
+        if alt is not None and alt is not call.pool:
+            queue.shed_total[decision.reason] -= 1
+            old_pool, call.pool = call.pool, alt
+            alt_q = self.queue_for(call)
+            t.state = "new"
+            again = alt_q.offer(t, now)
+            if again.kind != "shed":
+                call.set_body({**call.body, "model": alt.cfg.models[0]})
+                call.ctx.pool = alt.name
+                call.ctx.admission = f"degraded:pool={alt.name}"
+                self.decisions["degraded"] += 1
+                return alt_q, again
+            call.pool = old_pool
+            return alt_q, again
+        return queue, decision
+
+    def _refuse(self, call: Call, status: int, message: str, reason: str, queue: PoolQueue | None,
+                retry_after_s: float) -> Reply:
+        ctx = call.ctx
+        ctx.admission = "shed" if status == 429 else "refused"
+        ctx.shed_reason = reason
+        ctx.error = message
+        if self._sheds is not None:
+            self._sheds.add(1, {"pool": queue.name if queue else (call.pool.name if call.pool else ""),
+                                "priority": ctx.priority or "", "reason": reason})
+        return _error(status, message, reason, [*retry_after_header(retry_after_s), (REASON_HEADER, reason.encode())])
+
+    def _shed(self, call: Call, queue: PoolQueue, t: Ticket, reason: str, retry_after_s: float) -> Reply:
+        self.decisions["shed"] += 1
+        msg = _MESSAGES.get(reason, "shed: {pool}").format(pool=queue.name, tenant=t.tenant)
+        return self._refuse(call, 429, msg, reason, queue, retry_after_s)
+
+    def _retry_estimate(self, queue: PoolQueue) -> float:
+        rate = queue.capacity.drain_rate()
+        return (queue.queued / rate) if rate else 1.0
+
+    # -- waiting and dispatching --
+    async def _wait(self, queue: PoolQueue, t: Ticket) -> bool:
+        loop = asyncio.get_running_loop()
+        t.waiter = loop.create_future()
+        timer = loop.call_later(max(0.0, t.deadline - self.clock()), self._expire, queue)
+        try:
+            return await t.waiter
+        finally:
+            timer.cancel()
+
+    def _expire(self, queue: PoolQueue) -> None:
+        for t in queue.expire(self.clock()):
+            if t.waiter is not None and not t.waiter.done():
+                t.waiter.set_result(False)
+
+    @staticmethod
+    def _dispatch(queue: PoolQueue, admitted: list[Ticket]) -> None:
+        for t in admitted:
+            if t.waiter is not None and not t.waiter.done():
+                t.waiter.set_result(True)
+
+    def _release(self, queue: PoolQueue, t: Ticket, call: Call, ok: bool) -> None:
+        ctx = call.ctx
+        now = self.clock()
+        sample = None
+        if t.admitted_at is not None:
+            ttft = None if ctx.t_first_token is None else max(0.0, ctx.t_first_token - t.admitted_at)
+            # (ctx.t_end is set after the closers run: TPOT from now)
+            n = ctx.completion_tokens
+            tpot = (now - ctx.t_first_token) / (n - 1) if ctx.t_first_token is not None and n > 1 else None
+            sample = Sample(ttft=ttft, tpot=tpot, service=now - t.admitted_at,
+                            # (the endpoint classifies the outcome after closing: read the status)
+                            tokens=ctx.prompt_tokens + ctx.completion_tokens,
+                            ok=ok and ctx.status_code < 400 and ctx.t_first_token is not None,
+                            inflight_at_admit=t.inflight_at_admit)
+        actual = ctx.prompt_tokens + ctx.completion_tokens if ctx.usage_source != "none" else None
+        self._dispatch(queue, queue.release(t, now, sample, actual))
+
+    def _finish(self, queue: PoolQueue, t: Ticket, call: Call, tenant_cfg, tokens: int):
+        self._release(queue, t, call, ok=True)
+        ctx = call.ctx
+        if ctx.usage_source == "none":
+            return None
+        from usefulwork.gateway.accounting.costing import price_sheet_cost  # noqa: PLC0415
+
+        usd = price_sheet_cost(call.pool.cfg if call.pool is not None else None, ctx)
+        return self._settle(ctx.tenant, tenant_cfg, ctx.prompt_tokens + ctx.completion_tokens - tokens, usd)
+
+    async def _settle(self, tenant: str, cfg, token_delta: int, usd: float) -> None:
+        if cfg.tpm is None and cfg.budget_usd_per_day is None:
+            return
+        try:
+            await self.limits.settle(tenant, cfg, token_delta, usd)
+        except Exception:  # noqa: BLE001 - settling must never break a finished request
+            log.exception("admission: settling tenant %s failed", tenant)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- admin endpoint --
+    async def _tenant_status(self, request: Request) -> Response:
+        """A tenant's settings (never its key hashes), today's spend and its place in the fair share;
+        admin key only (``access.admin_key_hashes``; open when no key is configured anywhere)."""
+        from usefulwork.gateway.access import Access  # noqa: PLC0415
+
+        access = Access(self.services.cfg)
+        if not access.is_admin(request):
+            return Response(error_body(401, "tenant status needs the admin key", code="invalid_api_key"),
+                            status_code=401, media_type="application/json")
+        name = request.path_params["name"]
+        if name not in self.tenants.by_name:
+            return Response(error_body(404, f"no tenant {name!r}", code="not_found"), status_code=404,
+                            media_type="application/json")
+        cfg = self.tenants.settings(name)
+        shared = getattr(self.limits, "shared", None)
+        spent = None
+        if isinstance(shared, RedisLimits):
+            try:
+                spent = await shared.spent_today(name)
+            except Exception:  # noqa: BLE001 - Redis down: say unknown
+                spent = None
+        body = {"tenant": name, "settings": cfg.model_dump(exclude={"key_hashes"}),
+                "spent_today_usd": spent, "fair_share_tokens": {p: q.counters.get(name, 0.0) for p, q in self.queues.items()},
+                "queued": {p: sum(len(c.get(name, ())) for c in q.queues) for p, q in self.queues.items()}}
+        return Response(orjson.dumps(body), media_type="application/json")
+
+    # -- lifecycle and figures --
+    async def start(self) -> None:
+        if self.fair_sync is not None:
+            self._sync_task = asyncio.create_task(self._sync_loop(), name="admission-fair-share-sync")
+
+    async def _sync_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.fair_sync.interval_s)
+            for name, q in list(self.queues.items()):
+                try:
+                    await self.fair_sync.sync(name, q.counters)
+                except Exception:  # noqa: BLE001 - Redis down: local counters until it is back (limits log it)
+                    break
+
+    async def stop(self) -> None:
+        if self._sync_task is not None:
+            self._sync_task.cancel()
+            try:
+                await self._sync_task
+            except asyncio.CancelledError:
+                pass
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.limits.close()
+
+    def stats(self) -> dict[str, Any]:
+        down = getattr(self.limits, "down", False)
+        return {"decisions": dict(self.decisions), "pools": {n: q.stats() for n, q in self.queues.items()},
+                "limits_store": "redis" if isinstance(self.limits, FailoverLimits) else "process",
+                "redis_down": down}

@@ -1,0 +1,332 @@
+"""One pool's admission queue: priority classes, deadlines, fair sharing, and the decision per request.
+
+Classes are served in strict order (``interactive``, ``batch``, ``sheddable``); lower classes may
+use at most ``1 - reserve_fraction`` of the limit, so interactive work rarely waits behind them.
+Within a class, tenants share by the Virtual Token Counter (Sheng et al., "Fairness in Serving Large
+Language Models", OSDI 2024): each tenant's counter grows by the tokens it is served (prompt +
+output, divided by its weight) and the backlogged tenant with the smallest counter goes next; a
+tenant that returns from idle is lifted to the smallest backlogged counter, so idling earns no credit.
+
+Decision at arrival (``offer``):
+
+- **admit** when a slot is free and nobody is queued ahead;
+- **queue** when the predicted wait fits the request's budget (its deadline minus the expected
+  service TTFT, and the E2E SLO minus the expected service time);
+- **shed** otherwise, at once, with the time after which a retry fits (``retry_after_s``).
+
+**Retry-After is a reservation.** A shed request is told to come back when the work ahead of it,
+including the retries already promised a time, has drained; its tenant holds that place until then
+(plus ``RESERVATION_GRACE_S``), found again by ``Ticket.key`` (a hash of tenant and body: a retry
+sends the same body). New arrivals count the reservations that fall due within their own budget as
+work ahead, weighted by the share of places that were taken back lately (``return_rate``): a held
+place of a client that honours Retry-After is kept free for it, while clients that never come back
+(most load generators, many batch jobs) do not block capacity with places nobody will use.
+
+The predicted wait is (work ahead of it in dispatch order, less free slots) / drain rate. A queued
+request whose deadline passes anyway (new higher-class work overtook it) is shed by ``expire`` at
+its deadline. Everything here is synchronous and takes ``now``: the filter drives it with the event
+loop's clock, the tests with a virtual one.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal
+
+from usefulwork.gateway.admission.capacity import Capacity, Sample
+from usefulwork.gateway.tenants import PRIORITIES
+
+DecisionKind = Literal["admit", "queue", "shed"]
+RESERVATION_GRACE_S = 2.0  # how long past its Retry-After a shed request's place is kept
+RETURN_EWMA = 0.05  # weight of one ended reservation in the return rate
+State = Literal["new", "queued", "admitted", "released", "shed", "cancelled"]
+
+
+@dataclass(slots=True, eq=False)
+class Ticket:
+    """One request's place in a pool's queue."""
+
+    tenant: str
+    cls: int  # index into PRIORITIES
+    tokens: float  # expected tokens (prompt + max_tokens): the fair-share charge at dispatch
+    arrival: float
+    deadline: float  # latest dispatch time that can still meet the SLO
+    max_tokens: int | None = None
+    key: int = 0  # identifies a retry of the same request (tenant + body): its reserved place
+    state: State = "new"
+    admitted_at: float | None = None
+    inflight_at_admit: int = 0
+    charged: float = 0.0  # weighted tokens charged to the tenant's counter so far
+    waiter: Any = None  # the filter's future, resolved when the ticket is admitted or shed
+    shed_reason: str | None = None
+
+    @property
+    def priority(self) -> str:
+        return PRIORITIES[self.cls]
+
+
+@dataclass(slots=True)
+class Decision:
+    kind: DecisionKind
+    reason: str = ""
+    predicted_wait_s: float = 0.0
+    retry_after_s: float = 0.0
+
+
+@dataclass
+class PoolQueue:
+    name: str
+    capacity: Capacity
+    weight_of: Callable[[str], float] = lambda tenant: 1.0
+    reserve_fraction: float = 0.1
+    max_queue: int = 4096
+    e2e_slo_s: float | None = None
+    inflight: int = 0
+    counters: dict[str, float] = field(default_factory=dict)  # VTC: weighted tokens served per tenant
+    # queues[cls][tenant] -> FIFO of tickets
+    queues: list[dict[str, deque[Ticket]]] = field(default_factory=lambda: [{} for _ in PRIORITIES])
+    queued: int = 0
+    admitted_total: int = 0
+    shed_total: dict[str, int] = field(default_factory=dict)
+    reservations: list[tuple[float, int]] = field(default_factory=list)  # (retry time, ticket key), sorted
+    _held: dict[int, float] = field(default_factory=dict)  # ticket key -> its reserved time
+    retries_honoured: int = 0
+    return_rate: float = 0.0  # EWMA over ended reservations: 1 taken back, 0 expired unused
+
+    # -- the decision --
+    def limit_for(self, cls: int) -> int:
+        lim = self.capacity.current()
+        if cls == 0:
+            return lim
+        return max(1, int(lim * (1.0 - self.reserve_fraction)))
+
+    def ahead_of(self, t: Ticket) -> int:
+        """Tickets dispatched before ``t`` would be if it queued now: higher classes, then a
+        round-robin share of its own class (the VTC order for tenants of equal weight)."""
+        n = sum(sum(len(q) for q in self.queues[c].values()) for c in range(t.cls))
+        mine = self.queues[t.cls].get(t.tenant)
+        own = len(mine) if mine else 0
+        n += own
+        for tenant, q in self.queues[t.cls].items():
+            if tenant != t.tenant:
+                n += min(len(q), own + 1)
+        return n
+
+    def predict_wait(self, t: Ticket, reserved: int = 0) -> float | None:
+        """Seconds until ``t`` would be dispatched (0: now; None: no measurement yet)."""
+        free = self.limit_for(t.cls) - self.inflight
+        position = self.ahead_of(t) + reserved + 1 - max(0, free)
+        if position <= 0:
+            return 0.0
+        rate = self.capacity.drain_rate()
+        # One dispatch interval of headroom: slots free one at a time, not as a fluid.
+        return None if not rate else (position + 1) / rate
+
+    def budget(self, t: Ticket, now: float) -> float:
+        """How long ``t`` may wait and still meet its TTFT deadline and the E2E SLO."""
+        b = t.deadline - now - self.capacity.est_ttft()
+        if self.e2e_slo_s is not None:
+            b = min(b, t.arrival + self.e2e_slo_s - now - self.capacity.est_e2e(t.max_tokens))
+        return b
+
+    def offer(self, t: Ticket, now: float) -> Decision:
+        """Admit, queue or shed a new ticket. Admitted and queued ones hold a place until released."""
+        held = self._take_reservation(t.key, now)
+        budget = self.budget(t, now)
+        # A returning request is behind only the places promised before its own; a new one is behind
+        # every place that falls due within its budget.
+        reserved = round(self.return_rate * self._reserved_until(held if held is not None else now + max(0.0, budget)))
+        wait = self.predict_wait(t, reserved)
+        if wait == 0.0 and self.ahead_of(t) == 0:
+            self._admit(t, now)
+            return Decision("admit")
+        if self.queued >= self.max_queue:
+            return self._shed(t, "queue_full", wait or 0.0, now)
+        if t.cls == 2:  # sheddable: only ever fills a free slot
+            return self._shed(t, "sheddable", wait or 0.0, now)
+        if wait is not None and wait > budget:
+            return self._shed(t, "predicted_wait", wait, now)
+        self._enqueue(t)
+        return Decision("queue", predicted_wait_s=wait or 0.0)
+
+    def _shed(self, t: Ticket, reason: str, wait: float, now: float) -> Decision:
+        t.state = "shed"
+        t.shed_reason = reason
+        self.shed_total[reason] = self.shed_total.get(reason, 0) + 1
+        # Come back when everything ahead, promised retries included, has drained to what a fresh
+        # request's budget allows; hold that place for this tenant.
+        rate = self.capacity.drain_rate()
+        full_budget = max(0.0, t.deadline - t.arrival - self.capacity.est_ttft())
+        if rate:
+            free = self.limit_for(t.cls) - self.inflight
+            # + 2 dispatch intervals of margin: a retry told the exact boundary would miss half the time.
+            behind_all = self.ahead_of(t) + round(self.return_rate * len(self.reservations)) + 4 - max(0, free)
+            retry = max(0.0, behind_all / rate - full_budget)
+        else:
+            retry = 1.0
+        retry = max(retry, 0.05)
+        if t.cls < 2 and t.key:
+            self._reserve(now + retry, t.key)
+        return Decision("shed", reason, predicted_wait_s=wait, retry_after_s=retry)
+
+    # -- retry reservations --
+    def _prune(self, now: float) -> None:
+        r = self.reservations
+        i = 0
+        while i < len(r) and r[i][0] + RESERVATION_GRACE_S < now:
+            self._held.pop(r[i][1], None)
+            self.return_rate *= 1.0 - RETURN_EWMA  # expired: nobody came back for it
+            i += 1
+        if i:
+            del r[:i]
+
+    def _reserve(self, at: float, key: int) -> None:
+        old = self._held.pop(key, None)
+        if old is not None:
+            self.reservations.remove((old, key))
+        self._held[key] = at
+        bisect.insort(self.reservations, (at, key))
+
+    def _take_reservation(self, key: int, now: float) -> float | None:
+        """The retry of a shed request takes back its place; returns the place's time."""
+        self._prune(now)
+        at = self._held.pop(key, None) if key else None
+        if at is None:
+            return None
+        self.reservations.remove((at, key))
+        self.retries_honoured += 1
+        self.return_rate += RETURN_EWMA * (1.0 - self.return_rate)
+        return at
+
+    def _reserved_until(self, until: float) -> int:
+        n = 0
+        for at, _ in self.reservations:
+            if at >= until:
+                break
+            n += 1
+        return n
+
+    # -- queue mechanics --
+    def _enqueue(self, t: Ticket) -> None:
+        cls_q = self.queues[t.cls]
+        q = cls_q.get(t.tenant)
+        if q is None:
+            q = cls_q[t.tenant] = deque()
+        if not q and not self._backlogged(t.tenant):
+            # VTC lift: a tenant back from idle starts level with the least-served backlogged one.
+            floor = min((self.counters.get(u, 0.0) for c in self.queues for u, uq in c.items() if uq), default=None)
+            if floor is not None:
+                self.counters[t.tenant] = max(self.counters.get(t.tenant, 0.0), floor)
+        q.append(t)
+        t.state = "queued"
+        self.queued += 1
+
+    def _backlogged(self, tenant: str) -> bool:
+        return any(c.get(tenant) for c in self.queues)
+
+    def _admit(self, t: Ticket, now: float) -> None:
+        t.state = "admitted"
+        t.admitted_at = now
+        t.inflight_at_admit = self.inflight
+        self.inflight += 1
+        self.admitted_total += 1
+        w = self.weight_of(t.tenant)
+        t.charged = t.tokens / w
+        self.counters[t.tenant] = self.counters.get(t.tenant, 0.0) + t.charged
+
+    def _pop_next(self) -> Ticket | None:
+        for cls, cls_q in enumerate(self.queues):
+            if self.inflight >= self.limit_for(cls):
+                continue
+            best = None
+            for tenant, q in cls_q.items():
+                if q and (best is None or self.counters.get(tenant, 0.0) < self.counters.get(best, 0.0)):
+                    best = tenant
+            if best is not None:
+                q = cls_q[best]
+                t = q.popleft()
+                if not q:
+                    del cls_q[best]
+                self.queued -= 1
+                return t
+        return None
+
+    def pump(self, now: float) -> list[Ticket]:
+        """Dispatch queued tickets into free slots; returns those admitted now."""
+        out = []
+        while (t := self._pop_next()) is not None:
+            self._admit(t, now)
+            out.append(t)
+        return out
+
+    def expire(self, now: float) -> list[Ticket]:
+        """Shed queued tickets whose deadline has passed (returns them)."""
+        out = []
+        for cls_q in self.queues:
+            for tenant in list(cls_q):
+                q = cls_q[tenant]
+                keep = deque(t for t in q if t.deadline > now)
+                if len(keep) != len(q):
+                    out.extend(t for t in q if t.deadline <= now)
+                    if keep:
+                        cls_q[tenant] = keep
+                    else:
+                        del cls_q[tenant]
+        for t in out:
+            self.queued -= 1
+            t.state = "shed"
+            t.shed_reason = "deadline"
+            self.shed_total["deadline"] = self.shed_total.get("deadline", 0) + 1
+        return out
+
+    def cancel(self, t: Ticket) -> None:
+        """The client left while ``t`` was queued."""
+        if t.state != "queued":
+            return
+        q = self.queues[t.cls].get(t.tenant)
+        if q is not None:
+            try:
+                q.remove(t)
+                self.queued -= 1
+            except ValueError:
+                pass
+            if not q:
+                del self.queues[t.cls][t.tenant]
+        t.state = "cancelled"
+
+    def release(self, t: Ticket, now: float, sample: Sample | None = None, actual_tokens: int | None = None) -> list[Ticket]:
+        """An admitted request ended (however): free its slot, correct its charge, learn, dispatch."""
+        if t.state != "admitted":
+            return []
+        t.state = "released"
+        self.inflight -= 1
+        if actual_tokens is not None:
+            w = self.weight_of(t.tenant)
+            delta = actual_tokens / w - t.charged
+            self.counters[t.tenant] = self.counters.get(t.tenant, 0.0) + delta
+            t.charged += delta
+        if sample is not None:
+            self.capacity.observe(sample, now)
+        return self.pump(now)
+
+    def next_deadline(self) -> float | None:
+        return min((t.deadline for c in self.queues for q in c.values() for t in q), default=None)
+
+    def depth(self) -> dict[str, int]:
+        return {p: sum(len(q) for q in self.queues[i].values()) for i, p in enumerate(PRIORITIES)}
+
+    def stats(self) -> dict[str, Any]:
+        return {"inflight": self.inflight, "queued": self.depth(), "admitted": self.admitted_total,
+                "retry_reservations": len(self.reservations), "retries_honoured": self.retries_honoured,
+                "retry_return_rate": round(self.return_rate, 3),
+                "shed": dict(self.shed_total), "capacity": self.capacity.stats(),
+                "fair_share_tokens": {k: round(v, 1) for k, v in self.counters.items()}}
+
+
+def retry_after_header(seconds: float) -> list[tuple[bytes, bytes]]:
+    """``retry-after`` (whole seconds, as HTTP defines it) and ``retry-after-ms`` (the OpenAI SDKs read it first)."""
+    return [(b"retry-after", str(max(1, math.ceil(seconds))).encode()),
+            (b"retry-after-ms", str(max(1, math.ceil(seconds * 1000))).encode())]
