@@ -8,11 +8,11 @@ nearest entries are similar but not identical questions.
 
 Embedding 100k texts takes over two hours on the shared 2-core machine (about 12 texts/s under
 load), so ``--real`` texts are embedded and the rest of the ``--n`` vectors are grown from them:
-each is a real embedding plus a third of another real one from the same template, plus 3% noise,
+each is a real embedding plus a third of another (random) real one, plus 3% noise,
 renormalised: it keeps the clusters of real traffic (which is what HNSW navigates) and is clearly
 NOT Gaussian. The queries are real embeddings of held-out questions.
 
-    python benchmarks/cache_corpus.py --n 100000 --real 8000 --queries 1000 --out /tmp/uw-cache-corpus.npz
+    python benchmarks/cache_corpus.py --n 100000 --real 6000 --queries 1000 --out /tmp/uw-cache-corpus.npz
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def questions(n: int, seed: int, exclude: set[str] | None = None) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=100_000)
-    ap.add_argument("--real", type=int, default=8000)
+    ap.add_argument("--real", type=int, default=6000)
     ap.add_argument("--queries", type=int, default=1000)
     ap.add_argument("--out", default="/tmp/uw-cache-corpus.npz")
     args = ap.parse_args()

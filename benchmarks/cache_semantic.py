@@ -54,7 +54,9 @@ def text_of(q: str) -> str:
 
 async def through_filter(groups, probes, vecs, threshold: float, guard: bool = True):
     """Ask every probe through a real CacheFilter; returns per-probe (hit group or None, score)."""
-    cfg = CacheCfg(semantic=SemanticCfg(threshold=threshold, guard=guard))
+    # What would hit, not who is faster: the lookup runs before the (instant, fake) upstream, and
+    # never backs off (semantic.parallel and min_hit_share are about latency, not quality).
+    cfg = CacheCfg(semantic=SemanticCfg(threshold=threshold, guard=guard, parallel=False, min_hit_share=0.0))
     f = CacheFilter(cfg=cfg)
     up = FakeUpstream()
     for g, grp in enumerate(groups):

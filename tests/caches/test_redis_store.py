@@ -27,7 +27,7 @@ def ns(redis_url):
 
 
 def cfg(redis_url, ns, **kw):
-    semantic = kw.pop("semantic", SemanticCfg())
+    semantic = kw.pop("semantic", SemanticCfg(parallel=False))  # lookup first: what hits, not who is faster
     kw.setdefault("redis_timeout_s", 2.0)  # the shared test machine can be very loaded
     return CacheCfg(redis_url=redis_url, namespace=ns, semantic=semantic, **kw)
 

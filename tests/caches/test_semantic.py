@@ -13,6 +13,9 @@ from usefulwork.config import ConfigError, from_mapping
 
 from .helpers import FakeUpstream, drive, make_call, stream_text
 
+# Lookup before the upstream (no race): these tests check what hits, not who is faster.
+SEQUENTIAL = CacheCfg(semantic=SemanticCfg(parallel=False))
+
 
 async def ask(f, up, call):
     reply, body = await drive(lambda c: f(c, up), call)
@@ -21,7 +24,7 @@ async def ask(f, up, call):
 
 
 async def test_paraphrase_hits_and_negation_is_refused():
-    f, up = CacheFilter(cfg=CacheCfg()), FakeUpstream("Paris.", delay_s=2.0)
+    f, up = CacheFilter(cfg=SEQUENTIAL), FakeUpstream("Paris.", delay_s=2.0)
     await ask(f, up, make_call("What is the capital of France?"))
     r, body = await ask(f, up, make_call("Which city is the capital of France?"))
     cache = r.header(b"x-usefulwork-cache").decode()
@@ -46,7 +49,7 @@ async def test_upstream_and_semantic_lookup_race():
     assert r.header(b"x-usefulwork-cache") == b"miss" and stream_text(body) == "Paris. "
     # a stream whose first token is slow (a long prefill) loses to the lookup, which closes it
     closed = up.closed
-    up.first_chunk_delay_s = 1.0
+    up.first_chunk_delay_s = 10.0
     c = make_call("Which city is the capital of France?", stream=True)
     r, body = await ask(f, up, c)
     assert r.header(b"x-usefulwork-cache").startswith(b"hit-semantic") and b"Paris." in body
@@ -68,7 +71,7 @@ async def test_requests_that_cannot_hit_skip_the_embedding():
 
 
 async def test_semantic_partitions_by_tenant_and_system_prompt():
-    f, up = CacheFilter(cfg=CacheCfg()), FakeUpstream(delay_s=2.0)
+    f, up = CacheFilter(cfg=SEQUENTIAL), FakeUpstream(delay_s=2.0)
     await ask(f, up, make_call("How do I reverse a list in Python?", tenant="A", system="be brief"))
     probe = "How can I reverse a Python list?"
     for kw in ({"tenant": "B", "system": "be brief"}, {"tenant": "A", "system": "be verbose"}, {"tenant": "A"}):
@@ -79,7 +82,7 @@ async def test_semantic_partitions_by_tenant_and_system_prompt():
 
 
 async def test_feedback_on_a_bad_hit_raises_that_entry_threshold():
-    f, up = CacheFilter(cfg=CacheCfg()), FakeUpstream(delay_s=2.0)
+    f, up = CacheFilter(cfg=SEQUENTIAL), FakeUpstream(delay_s=2.0)
     await ask(f, up, make_call("What is the capital of France?", tenant="default"))
     c = make_call("Which city is the capital of France?", tenant="default", headers=[(b"cache-control", b"no-store")])
     r, _ = await ask(f, up, c)
@@ -106,13 +109,15 @@ def test_threshold_out_of_range_names_the_field():
 
 
 async def test_purge_needs_an_admin_key_and_a_known_tenant():
-    cfg = from_mapping({"auth": {"api_keys": {"k-admin": "admin", "k-a": "A", "k-b": "B"}}}, environ={})
-    f = CacheFilter(cfg=CacheCfg(semantic=SemanticCfg(enabled=False)))
-    f._admin_keys, f._known_tenants = {"k-admin"}, {"admin", "A", "B"}
+    from types import SimpleNamespace
+    from usefulwork.gateway.tenants import hash_key
+    cfg = from_mapping({"auth": {"api_keys": {"k-a": "A", "k-b": "B"}},
+                        "access": {"admin_key_hashes": [hash_key("k-admin")]}, "filters": ["cache"],
+                        "cache": {"semantic": {"enabled": False}}}, environ={})
+    f = CacheFilter(SimpleNamespace(cfg=cfg, meter=None))
     up = FakeUpstream()
     for tenant in ("A", "B"):
         await ask(f, up, make_call("q", tenant=tenant))
-    assert cfg.auth.api_keys["k-admin"] == "admin"
     with TestClient(Starlette(routes=f.routes)) as client:
         assert client.post("/usefulwork/cache/purge", json={"tenant": "A"}).status_code == 403
         assert client.post("/usefulwork/cache/purge", json={"tenant": "A"},
@@ -123,12 +128,18 @@ async def test_purge_needs_an_admin_key_and_a_known_tenant():
         assert client.post("/usefulwork/cache/purge", json={}, headers=admin).status_code == 422
         r = client.post("/usefulwork/cache/purge", json={"tenant": "A"}, headers=admin)
         assert r.status_code == 200 and r.json()["purged_partitions"] == 1
+        # feedback needs the caller's own tenant key
+        assert client.post("/usefulwork/cache/feedback", json={"request_id": "x"}).status_code == 401
     assert (await ask(f, up, make_call("q", tenant="A")))[0].header(b"x-usefulwork-cache") == b"miss"
     assert (await ask(f, up, make_call("q", tenant="B")))[0].header(b"x-usefulwork-cache") == b"hit-exact"
 
 
-def test_admin_keys_come_from_the_gateway_config():
-    from types import SimpleNamespace
-    cfg = from_mapping({"auth": {"api_keys": {"k-admin": "admin", "k-a": "A"}}, "filters": ["cache"]}, environ={})
-    f = CacheFilter(SimpleNamespace(cfg=cfg, meter=None))
-    assert f._admin_keys == {"k-admin"} and f._known_tenants == {"admin", "A"}
+async def test_semantic_lookups_back_off_while_they_do_not_pay():
+    f, up = CacheFilter(cfg=CacheCfg(semantic=SemanticCfg(min_hit_share=0.5, parallel=False))), FakeUpstream()
+    await ask(f, up, make_call("What is the capital of France?"))
+    f._lookups.extend([False] * 200)  # 200 lookups without a hit: below the 50% asked for
+    before = f.stats()["embeddings"]
+    for i in range(20):
+        await ask(f, up, make_call(f"unrelated question number {i} about gardening", headers=[(b"cache-control", b"no-store")]))
+    st = f.stats()
+    assert st["embeddings"] - before == 2 and st["semantic_skipped_unpaid"] == 18  # one in ten still looks

@@ -25,6 +25,9 @@ class SemanticCfg(_Strict):
     max_threshold: float = Field(0.995, gt=0.0, le=1.0, description="Feedback never raises a threshold above this.")
     parallel: bool = Field(True, description="Start the upstream request while the semantic lookup runs (a miss "
                            "waits for no embedding; a hit cancels the upstream request, wasting part of one prefill).")
+    min_hit_share: float = Field(0.01, ge=0.0, lt=1.0, description="Below this share of hits among the last 200 "
+                                 "semantic lookups, only every 10th request is embedded (lookup and stored vector): "
+                                 "a semantic cache that does not pay stops costing. 0: always embed.")
     index_min_entries: int = Field(2048, ge=1, description="Partitions with fewer entries are searched exactly "
                                    "(numpy); larger ones through a faiss HNSW index.")
 
@@ -53,6 +56,4 @@ class CacheCfg(_Strict):
                                    "cached unless they fix a `seed` (an absent temperature counts as 1.0).")
     cache_tools: bool = Field(False, description="Cache requests that offer tools.")
     redis_timeout_s: float = Field(0.1, gt=0, description="A Redis call slower than this bypasses the cache for the request.")
-    admin_tenant: str = Field("admin", min_length=1, description="Tenant whose API key may purge the cache "
-                              "(auth.api_keys); with no keys configured purging is refused.")
     semantic: SemanticCfg = SemanticCfg()

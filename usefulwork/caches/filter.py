@@ -24,6 +24,7 @@ import asyncio
 import logging
 import re
 import time
+from collections import deque
 from typing import Any
 
 import orjson
@@ -41,10 +42,13 @@ from usefulwork.caches.thresholds import ThresholdPolicy
 from usefulwork.embedding import conversation_text, shared_embedder
 from usefulwork.gateway.errors import GatewayError, error_body
 from usefulwork.gateway.pipeline import Call, Handler, Reply, Services
+from usefulwork.gateway.tenants import Tenants, bearer
 
 log = logging.getLogger("usefulwork.cache")
 
 HEADER = b"x-usefulwork-cache"
+PAYOFF_WINDOW = 200  # semantic lookups judged for ``semantic.min_hit_share``
+PAYOFF_SAMPLE = 10  # while it does not pay: embed one request in this many
 _DIRECTIVE = re.compile(r'^[A-Za-z][A-Za-z0-9\-]*(?:=(?:[A-Za-z0-9\-]+|"[^"]*"))?$')
 CANDIDATES = 4  # nearest entries considered per semantic lookup
 
@@ -110,7 +114,7 @@ class CacheFilter:
     name = "cache"
 
     def __init__(self, services: Services | None = None, *, cfg: CacheCfg | None = None, store: Store | None = None,
-                 embedder=None, admin_keys: set[str] | None = None, tenant_of=None):
+                 embedder=None):
         gw = services.cfg if services is not None else None
         self.cfg = cfg or (gw.cache if gw is not None else CacheCfg())
         self.store = store if store is not None else self._build_store()
@@ -118,11 +122,10 @@ class CacheFilter:
         self.store.listener = self.index
         self.embedder = embedder if embedder is not None else (shared_embedder() if self.cfg.semantic.enabled else None)
         self.policy = ThresholdPolicy(self.cfg.semantic)
-        keys = dict(gw.auth.api_keys) if gw is not None else {}
-        # TODO(merge): use usefulwork/gateway/access.py's admin check and tenant identification.
-        self._tenants_by_key = keys
-        self._admin_keys = admin_keys if admin_keys is not None else {k for k, t in keys.items() if t == self.cfg.admin_tenant}
-        self._known_tenants = set(keys.values()) or {"default"}
+        # Who calls the admin and feedback routes: the gateway's own tenants and admin keys.
+        self._tenants = Tenants(gw) if gw is not None else None
+        self._known_tenants = ({"default"} | set(self._tenants.by_name) | set(gw.auth.api_keys.values())
+                               if gw is not None else {"default"})
         self._known_models = set(gw.model_names) if gw is not None else set()
         self._tasks: set[asyncio.Task] = set()
         self.counts = {"miss": 0, "hit-exact": 0, "hit-semantic": 0, "bypass": 0}
@@ -135,6 +138,9 @@ class CacheFilter:
         self.cpu_s = 0.0  # event-loop CPU spent in the filter (keys, lookups, guard, hit rendering)
         self.embeddings = 0
         self.semantic_skipped = 0  # lookups or vectors skipped because the embedder was backlogged
+        self.semantic_skipped_unpaid = 0  # ... because recent lookups rarely hit (semantic.min_hit_share)
+        self._lookups: deque[bool] = deque(maxlen=PAYOFF_WINDOW)  # recent semantic lookups: hit or not
+        self._unpaid = 0
         self._instruments(services.meter if services is not None else None)
         self.routes = [Route("/usefulwork/cache/purge", self._purge_route, methods=["POST"]),
                        Route("/usefulwork/cache/feedback", self._feedback_route, methods=["POST"])]
@@ -174,7 +180,8 @@ class CacheFilter:
                 entry = await self.store.get(keys.partition, keys.exact)
                 if entry is not None and entry.created >= fresh_after:
                     reply = self._hit(call, entry, None)
-                elif self.embedder is not None and self.index.size(keys.partition) and not self._embedder_busy():
+                elif (self.embedder is not None and self.index.size(keys.partition) and self._semantic_pays()
+                      and not self._embedder_busy()):
                     self._spent(t0)
                     reply = await self._semantic_or_next(call, next, keys, fresh_after)
                     t0 = time.thread_time()
@@ -288,7 +295,9 @@ class CacheFilter:
                 if why is not None:
                     self.guard_refusals[why] = self.guard_refusals.get(why, 0) + 1
                     continue
+            self._lookups.append(True)
             return entry, score
+        self._lookups.append(False)
         return None
 
     def _hit(self, call: Call, entry: Entry, score: float | None) -> Reply:
@@ -357,7 +366,7 @@ class CacheFilter:
         try:
             if self.embedder is not None:
                 vec = call.memo.get("embedding")
-                if vec is None and self._embedder_busy():
+                if vec is None and (self._embedder_busy() or not self._semantic_pays()):
                     pass  # filed for exact hits only: embedding it now would delay lookups that can hit
                 elif vec is None:
                     t = time.perf_counter()
@@ -375,6 +384,17 @@ class CacheFilter:
         """Wait for pending stores (tests, shutdown)."""
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    def _semantic_pays(self) -> bool:
+        """False (but for one request in ``PAYOFF_SAMPLE``) while recent semantic lookups rarely hit."""
+        recent = self._lookups
+        if len(recent) < PAYOFF_WINDOW or sum(recent) >= self.cfg.semantic.min_hit_share * len(recent):
+            return True
+        self._unpaid += 1
+        if self._unpaid % PAYOFF_SAMPLE == 0:
+            return True
+        self.semantic_skipped_unpaid += 1
+        return False
 
     def _embedder_busy(self) -> bool:
         """The embedder has a full batch waiting: skip optional embeddings rather than queue behind it."""
@@ -404,6 +424,7 @@ class CacheFilter:
             "embed_s": round(self.embed_s, 4),
             "embeddings": self.embeddings,
             "semantic_skipped_busy": self.semantic_skipped,
+            "semantic_skipped_unpaid": self.semantic_skipped_unpaid,
             "bypass_reasons": dict(self.bypass_reasons),
             "guard_refusals": dict(self.guard_refusals),
             "store_errors": self.store_errors,
@@ -413,10 +434,6 @@ class CacheFilter:
         }
 
     # -- routes --
-    def _caller(self, request: Request) -> str | None:
-        auth = request.headers.get("authorization", "")
-        return auth[7:].strip() if auth[:7].lower() == "bearer " else None
-
     async def _json(self, request: Request) -> dict[str, Any]:
         try:
             body = orjson.loads(await request.body())
@@ -428,8 +445,9 @@ class CacheFilter:
 
     async def _purge_route(self, request: Request) -> Response:
         try:
-            if not self._admin_keys or self._caller(request) not in self._admin_keys:
-                raise GatewayError(403, f"purging the cache needs an API key of tenant {self.cfg.admin_tenant!r}",
+            key = bearer(request.headers.get("authorization", "").encode("latin-1"))
+            if self._tenants is None or not self._tenants.is_admin(key):  # an open gateway has no admin
+                raise GatewayError(403, "purging the cache needs an admin key (access.admin_key_hashes)",
                                    code="forbidden")
             body = await self._json(request)
             tenant, model = body.get("tenant"), body.get("model")
@@ -451,12 +469,8 @@ class CacheFilter:
 
     async def _feedback_route(self, request: Request) -> Response:
         try:
-            if self._tenants_by_key:
-                tenant = self._tenants_by_key.get(self._caller(request) or "")
-                if tenant is None:
-                    raise GatewayError(401, "invalid or missing API key", code="invalid_api_key")
-            else:
-                tenant = "default"
+            auth = request.headers.get("authorization", "").encode("latin-1")
+            tenant = self._tenants.identify(auth) if self._tenants is not None else "default"
             body = await self._json(request)
             rid = body.get("request_id")
             if not isinstance(rid, str):
