@@ -48,13 +48,15 @@ from usefulwork.backends.sim.scheduler import SimRequest
 from usefulwork.gateway.admission.capacity import Capacity, Sample
 from usefulwork.gateway.admission.config import AdmissionCfg
 from usefulwork.gateway.admission.queue import PoolQueue, Ticket
+from usefulwork.loadtest.metrics import SLOSpec
 from usefulwork.loadtest.hpa import HPA, SEED_DOWN, SEED_UP, SYNC_PERIOD_S, Rules
 
 # Per-pod target of the gateway policy's metric (queued at the gateway + being served): about 75% of
 # the ~21 requests one replica holds in flight at its SLO capacity. deploy/k8s/ uses the same number.
 GATEWAY_QUEUE_TARGET = 16.0
-SEED_VLLM_QUEUE_TARGET = 50.0
-SCRAPE_S = 2.0  # the gateway's /metrics scrape of each replica (timeouts.health_interval_s default)  # the seed's HPA: averageValue 50 on the vLLM queue
+SEED_VLLM_QUEUE_TARGET = 50.0  # the seed's HPA: averageValue 50 on the vLLM queue
+SCRAPE_S = 2.0  # the gateway's /metrics scrape of each replica (timeouts.health_interval_s default)
+SLO = SLOSpec(ttft_ms=2000.0, tpot_ms=100.0, e2e_ms=5000.0, attainment=0.95)  # cost-a100's and admission's
 # The day's envelope as (hour, multiple of the base rate); linear in between (peak set by the day).
 # Night at the base; a morning ramp to 3x; an early-afternoon burst to the peak (6x with the defaults)
 # for two hours; back to 3x, then down to the base in the evening.
@@ -115,14 +117,6 @@ class Client:
     timeout_s: float = 60.0
     max_retries: int = 2  # the OpenAI SDK's default; 429s are retried after their Retry-After
     max_retry_after_s: float = 60.0  # the SDK honours a Retry-After up to this; longer: it gives up here
-
-
-@dataclass(frozen=True)
-class SLO:
-    ttft_s: float = 2.0
-    tpot_s: float = 0.1
-    e2e_s: float = 5.0
-    attainment: float = 0.95
 
 
 @dataclass(frozen=True)
@@ -206,7 +200,7 @@ class Req:
 
 
 class Simulation:
-    def __init__(self, policy: Policy, day: Day, fleet: Fleet, client: Client, slo: SLO):
+    def __init__(self, policy: Policy, day: Day, fleet: Fleet, client: Client, slo: SLOSpec):
         self.policy, self.day, self.fleet, self.client, self.slo = policy, day, fleet, client, slo
         self.spec = build_spec(gpu=fleet.gpu, model=fleet.model, profile=fleet.sim_profile)
         self.now = 0.0
@@ -221,11 +215,11 @@ class Simulation:
         self.queue: PoolQueue | None = None
         if policy.admission:
             cfg = AdmissionCfg()
-            cap = Capacity(cfg, slo.ttft_s, slo.tpot_s, slo.e2e_s, replicas=self._serving,
+            cap = Capacity(cfg, slo.ttft_ms / 1e3, slo.tpot_ms / 1e3, slo.e2e_ms / 1e3, replicas=self._serving,
                            replica_count=lambda: len(self._serving()))
             self.queue = PoolQueue("llama-8b", cap, reserve_fraction=cfg.reserve_fraction, max_queue=cfg.max_queue,
-                                   e2e_slo_s=slo.e2e_s)
-            self.deadline_s = slo.ttft_s  # interactive class: the TTFT SLO (admission's default)
+                                   e2e_slo_s=slo.e2e_ms / 1e3)
+            self.deadline_s = slo.ttft_ms / 1e3  # interactive class: the TTFT SLO (admission's default)
         self.sends: list[tuple[float, int, Req]] = []  # (time, seq, request): first sends and retries
         self.timeouts: list[tuple[float, int, Req, int]] = []  # (deadline, seq, request, attempt)
         self.by_sim: dict[int, Req] = {}
@@ -474,7 +468,8 @@ class Simulation:
         reqs = self.requests
         slo = self.slo
         ok = [r for r in reqs if r.outcome == "ok"]
-        good = [r for r in ok if r.ttft <= slo.ttft_s and r.e2e <= slo.e2e_s and (r.tpot is None or r.tpot <= slo.tpot_s)]
+        good = [r for r in ok if r.ttft * 1e3 <= slo.ttft_ms and r.e2e * 1e3 <= slo.e2e_ms
+                and (r.tpot is None or r.tpot * 1e3 <= slo.tpot_ms)]
         counts = {k: sum(1 for r in reqs if r.outcome == k) for k in ("ok", "timeout", "shed", "error", "aborted")}
         replica_s = sum(r.gone_at - r.created for r in self.replicas)
         cost = replica_s / 3600.0 * self.fleet.usd_per_hour
@@ -507,11 +502,11 @@ class Simulation:
 # the experiment
 
 
-def _run_one(args: tuple[Policy, Day, Fleet, Client, SLO]) -> dict[str, Any]:
+def _run_one(args: tuple[Policy, Day, Fleet, Client, SLOSpec]) -> dict[str, Any]:
     return Simulation(*args).run()
 
 
-def run(day: Day = Day(), fleet: Fleet = Fleet(), client: Client = Client(), slo: SLO = SLO(),
+def run(day: Day = Day(), fleet: Fleet = Fleet(), client: Client = Client(), slo: SLOSpec = SLO,
         only: list[str] | None = None, workers: int | None = None) -> dict[str, Any]:
     """Every policy on the same day (same arrivals); the verdict on the issue's target."""
     pols = [p for p in policies(day, fleet) if not only or p.name in only]
@@ -528,7 +523,7 @@ def run(day: Day = Day(), fleet: Fleet = Fleet(), client: Client = Client(), slo
             "policies": results, "verdict": verdict(by, slo), "wall_s": time.monotonic() - t0}
 
 
-def verdict(by: dict[str, dict[str, Any]], slo: SLO) -> dict[str, Any]:
+def verdict(by: dict[str, dict[str, Any]], slo: SLOSpec) -> dict[str, Any]:
     """The issue's target: gateway-queue + admission meets the SLO (>= 95%, zero timeouts) with at most
     60% of the peak-sized fleet's replica-hours and at least 10x fewer failed requests than the seed's HPA."""
     g, peak, seed = by.get("hpa-gateway-queue"), by.get("fixed-peak"), by.get("hpa-vllm-queue")
