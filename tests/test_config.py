@@ -87,3 +87,24 @@ def test_configuration_doc_reference_is_in_sync(repo_root):
     doc = (repo_root / "docs" / "configuration.md").read_text()
     table = doc.split("<!-- reference:start -->\n", 1)[1].split("<!-- reference:end -->", 1)[0]
     assert table == reference_markdown(), "docs/configuration.md is stale: regenerate with python -m usefulwork.config"
+
+
+def test_replica_url_with_credentials_is_refused_without_echoing_them(tmp_path):
+    """Issue #9.14: user:password@ in a replica URL showed in /readyz, /metrics, 502 bodies and the
+    upstream Host header. It is refused at load; the message names the field and hides the secret."""
+    import subprocess
+    import sys
+
+    f = tmp_path / "gw.yaml"
+    f.write_text("pools:\n  - name: a\n    models: [m]\n    replicas: ['http://admin:hunter2@10.0.0.5:8000']\n")
+    with pytest.raises(ConfigError) as e:
+        load(f, environ={})
+    msg = str(e.value)
+    assert "pools.0.replicas" in msg and "api_key" in msg and "hunter2" not in msg and "admin" not in msg
+    with pytest.raises(ConfigError) as e:  # the environment path is checked the same way
+        load(None, environ={"USEFULWORK__POOLS": '[{"name": "a", "models": ["m"], '
+                                                 '"replicas": ["https://tok@h:1"]}]'})
+    assert "tok" not in str(e.value)
+    r = subprocess.run([sys.executable, "-m", "usefulwork.cli", "serve", "--config", str(f)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "hunter2" not in r.stderr and "credentials" in r.stderr

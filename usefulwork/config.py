@@ -19,8 +19,11 @@ from typing import Any, Mapping
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from usefulwork.caches.config import CacheCfg
+from usefulwork.routers.config import RoutingCfg
 from usefulwork.gateway.admission.config import AdmissionCfg
 from usefulwork.gateway.tenants import AccessCfg, TenantCfg
+from usefulwork.gateway.recording import RecordCfg
 
 ENV_PREFIX = "USEFULWORK__"
 
@@ -45,10 +48,16 @@ class Limits(_Strict):
 
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0, description="Larger request bodies get 413.")
     body_timeout_s: float = Field(30.0, gt=0, description="A request body still incomplete after this long gets 408.")
+    max_header_bytes: int = Field(32 * 1024, ge=1024, description="Request line plus headers; larger gets 431 "
+                                  "(414 when the URL alone is too long), counted in usefulwork_http_rejected_total.")
+    max_upstream_body_bytes: int = Field(64 * 1024 * 1024, gt=0, description="A larger non-streaming upstream "
+                                         "answer fails that request with 502 (nothing more is read).")
+    max_sse_event_bytes: int = Field(1024 * 1024, gt=0, description="A larger single SSE event from upstream "
+                                     "ends that stream with an SSE error event (502).")
 
 
 class Timeouts(_Strict):
-    """Upstream timeouts and health probing."""
+    """Upstream and client timeouts, and health probing."""
 
     connect_s: float = Field(5.0, gt=0, description="TCP connect to a replica.")
     first_byte_s: float = Field(600.0, gt=0, description="Wait for the upstream's response headers (for a "
@@ -56,6 +65,9 @@ class Timeouts(_Strict):
     read_s: float = Field(600.0, gt=0, description="Gap allowed between two upstream body chunks.")
     health_interval_s: float = Field(2.0, gt=0, description="Health check and /metrics scrape period.")
     retry_after_down_s: float = Field(5.0, gt=0, description="How long a failed replica stays down before re-probing.")
+    client_header_s: float = Field(10.0, gt=0, description="A client must send a request's line and headers within "
+                                   "this time of connecting (or of the previous response's end on a kept-alive connection); "
+                                   "else 408 and close (slowloris).")
 
 
 class SLO(_Strict):
@@ -95,6 +107,13 @@ class Pool(_Strict):
     def _urls(cls, v: list[str]) -> list[str]:
         out = []
         for url in v:
+            scheme, sep, rest = url.partition("://")
+            netloc = rest.split("/", 1)[0]
+            if "@" in netloc:  # never echo the secret: not here, not in /readyz, /metrics or logs
+                shown = f"{scheme}{sep}***@{netloc.rsplit('@', 1)[1]}"
+                raise ValueError(f"replica URL {shown!r} carries credentials (user:password@); they would show "
+                                 "wherever replicas are listed. Remove them and give vLLM's key as the pool's "
+                                 "api_key (sent as Authorization: Bearer)")
             if not (url.startswith("http://") or url.startswith("https://")):
                 raise ValueError(f"replica URL must start with http:// or https://, got {url!r}")
             out.append(url.rstrip("/").removesuffix("/v1"))
@@ -166,11 +185,14 @@ class Config(_Strict):
     ledger: LedgerCfg = LedgerCfg()
     cost: CostCfg = CostCfg()
     telemetry: TelemetryCfg = TelemetryCfg()
+    cache: CacheCfg = Field(CacheCfg(), description="Exact and semantic response caches (the `cache` filter).")
     tenants: dict[str, TenantCfg] = Field(default_factory=dict, description="Tenant name -> hashed keys, limits, budget, priority, weight (docs/admission.md).")
     access: AccessCfg = AccessCfg()
     admission: AdmissionCfg = AdmissionCfg()
+    record: RecordCfg = RecordCfg()
     filters: list[str] = Field(default_factory=list, description="Request filters, in the order they run "
                                "(names: usefulwork/gateway/filters/__init__.py; docs/architecture.md).")
+    routing: RoutingCfg = Field(RoutingCfg(), description="Virtual models (cascades between pools) and replica pickers (docs/routing.md).")
     source: str = Field("<defaults>", description="Where this config came from (set by the loader).")
 
     @field_validator("filters")
@@ -194,6 +216,7 @@ class Config(_Strict):
                 if m in seen_models:
                     raise ValueError(f"model {m!r} is served by two pools ({seen_models[m]!r} and {pool.name!r})")
                 seen_models[m] = pool.name
+        self.routing.check_pools(self)
         return self
 
     def pool_for_model(self, model: str) -> Pool | None:
@@ -324,7 +347,7 @@ def write_reference(doc: Path) -> None:
     """Replace the generated table between the reference markers of docs/configuration.md."""
     text = doc.read_text()
     head, rest = text.split("<!-- reference:start -->\n", 1)
-    tail = rest.split("<!-- reference:end -->", 1)[1]
+    tail = rest.split("<!-- reference:end -->", 1)[1] if "<!-- reference:end -->" in rest else "\n"  # the table ends the doc
     doc.write_text(f"{head}<!-- reference:start -->\n{reference_markdown()}<!-- reference:end -->{tail}")
 
 

@@ -75,11 +75,30 @@ class Embedder:
             return self._model
 
     def encode(self, texts: list[str]) -> np.ndarray:
-        """Embed texts now, in the calling thread: (n, 384) float32, unit length."""
+        """Embed texts now, in the calling thread: (n, 384) float32, unit length.
+
+        The model's own forward pass, mean pooling and normalisation (what SentenceTransformer's
+        ``encode`` computes for this model) under ``torch.inference_mode``, without its per-call
+        bookkeeping: about 40% less time for one short conversation (benchmarks/cache_speed.py embed).
+        """
+        import torch  # noqa: PLC0415 (heavy; loaded with the model)
         model = self.load()
-        vecs = model.encode(texts, batch_size=self.max_batch, normalize_embeddings=True,
-                            convert_to_numpy=True, show_progress_bar=False)
-        return np.asarray(vecs, dtype=np.float32)
+        tokenizer, net = model.tokenizer, model[0].auto_model
+        out = []
+        with torch.inference_mode():
+            for i in range(0, len(texts), self.max_batch):
+                enc = tokenizer(texts[i:i + self.max_batch], padding=True, truncation=True,
+                                max_length=model.max_seq_length, return_tensors="pt")
+                hidden = net(**enc).last_hidden_state
+                mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+                pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+                out.append(torch.nn.functional.normalize(pooled, dim=-1).numpy())
+        return np.concatenate(out).astype(np.float32, copy=False) if out else np.empty((0, DIM), np.float32)
+
+    @property
+    def backlog(self) -> int:
+        """Texts waiting to be embedded (callers may skip optional work when it is long)."""
+        return len(self._pending)
 
     # -- async API (the request path) --
     async def embed(self, text: str) -> np.ndarray:

@@ -114,3 +114,100 @@ def test_sigkill_loses_only_requests_that_ended_within_the_bound(tmp_path):
         holder.close()
         gw.stop()
         up.close()
+
+
+def _rss_mb(pid: int) -> float:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def test_huge_upstream_answers_fail_that_request_and_memory_stays_bounded(tmp_path):
+    """Issue #9.8: a 2 GiB non-streaming body took the gateway from 160 MB to 4.25 GB, and one SSE
+    event with no blank line cost 33 s of event-loop CPU. Now: 502 / an SSE error event for that
+    request, bounded memory, and the gateway keeps serving."""
+    async def hostile(head, body, w):
+        if b"huge" not in body:
+            w.write(json_response(200, USAGE))
+            await w.drain()
+            return True
+        stream = b'"stream":true' in body
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-type: " + (b"text/event-stream" if stream else b"application/json")
+                + b"\r\ntransfer-encoding: chunked\r\n\r\n" + (b"6\r\ndata: \r\n" if stream else b""))
+        piece = b"x" * 65536
+        try:
+            for _ in range(2 * 16384):  # up to 2 GiB, until the gateway hangs up
+                w.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                await w.drain()
+        except ConnectionError:
+            pass
+        return False
+
+    up = FaultUpstream(hostile).start()
+    gw = start_gateway(tmp_path, _cfg(up.url, limits={"max_upstream_body_bytes": 8 << 20},
+                                      timeouts={"health_interval_s": 0.5}))
+    try:
+        rss0 = _rss_mb(gw.proc.pid)
+        t0 = time.monotonic()
+        r = httpx.post(gw.url + "/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "huge"}]})
+        assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_too_large"
+        with httpx.stream("POST", gw.url + "/v1/chat/completions", timeout=60, json={
+                "model": MODEL, "stream": True, "messages": [{"role": "user", "content": "huge"}]}) as s:
+            text = b"".join(s.iter_bytes())
+        assert s.status_code == 200 and b'"error"' in text and text.endswith(b"data: [DONE]\n\n")
+        assert time.monotonic() - t0 < 20
+        assert _rss_mb(gw.proc.pid) - rss0 < 200, "the gateway buffered the huge answers"
+        up_lines = [line for line in httpx.get(gw.url + "/metrics", timeout=5).text.splitlines()
+                    if line.startswith("usefulwork_replica_up{")]
+        assert up_lines and all(line.endswith(" 1.0") for line in up_lines), up_lines  # still in rotation
+        assert _post(gw.url) == 200  # others keep being served
+    finally:
+        gw.stop()
+        up.close()
+
+
+def test_a_post_is_never_sent_twice_to_a_replica_and_a_retry_elsewhere_is_recorded(tmp_path):
+    """Issue #9.10: when a replica closed a reused keep-alive connection after reading a POST, the
+    gateway sent the same POST again to the same replica. Now it goes to another replica, and the
+    ledger record says the first one may have processed it."""
+    seen: list[tuple[int, bytes]] = []
+
+    def second_post_dies(tag: int):
+        """Replica 0 dies once, after reading the second POST on a connection; replica 1 never."""
+        per_conn: dict[int, int] = {}
+        died = []
+
+        async def respond(head, body, w):
+            seen.append((tag, body))
+            n = per_conn[id(w)] = per_conn.get(id(w), 0) + 1
+            if tag == 0 and n == 2 and not died:
+                died.append(1)
+                w.transport.abort()  # read the request (may have started it), then died
+                return False
+            w.write(json_response(200, USAGE))
+            await w.drain()
+            return True
+        return respond
+
+    ups = [FaultUpstream(second_post_dies(i)).start() for i in range(2)]
+    jsonl = tmp_path / "ledger.jsonl"
+    gw = start_gateway(tmp_path, {
+        "pools": [{"name": "p", "models": [MODEL], "replicas": [u.url for u in ups]}],
+        "timeouts": {"health_interval_s": 0.5}, "ledger": {"jsonl_path": str(jsonl)}})
+    try:
+        with httpx.Client(base_url=gw.url, timeout=30) as client:
+            for i in range(6):
+                r = client.post("/v1/chat/completions", json={
+                    "model": MODEL, "messages": [{"role": "user", "content": f"question {i}"}]})
+                assert r.status_code == 200, r.text
+        assert gw.stop(signal.SIGTERM) == 0
+        assert len(seen) == len(set(seen)), "a replica received the same POST twice"
+        retried = [r for r in _jsonl(jsonl) if r["attempts"] > 1]
+        assert retried, "no request met a connection that died after reading it"
+        assert all("may have been processed" in (r["error"] or "") for r in retried)
+    finally:
+        gw.stop()
+        for u in ups:
+            u.close()

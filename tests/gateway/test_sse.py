@@ -1,4 +1,5 @@
 import orjson
+import pytest
 
 from usefulwork.gateway.sse import DONE_EVENT, SSEFilter, error_event
 
@@ -55,3 +56,35 @@ def test_error_event_shape():
     body = orjson.loads(first[6:])
     assert body["error"]["message"] == "boom" and body["error"]["code"] == 502
     assert done == DONE_EVENT
+
+
+def test_unterminated_event_costs_linear_time_and_is_bounded():
+    """Issue #9.8: an event with no blank line was re-joined and re-scanned on every read
+    (quadratic: 33 s of event-loop CPU); and it grew without bound."""
+    import time
+
+    from usefulwork.upstream.http1 import UpstreamTooLarge
+
+    filt = SSEFilter(keep_usage=False, max_event_bytes=64 << 20)
+    piece = b"x" * 2048
+    t0 = time.process_time()
+    assert filt.feed(b"data: ") == b""
+    for _ in range(8 * 512):  # 8 MiB in 2 KiB reads (the old filter: ~17 GB of copying, as much scanning)
+        assert filt.feed(piece) == b""
+    took = time.process_time() - t0
+    assert took < 2.0, f"{took:.1f}s of CPU for one 8 MiB event"
+    out = filt.feed(b"\n\ndata: [DONE]\n\n")
+    assert len(out) == 6 + 8 * 512 * 2048 + 2 + len(b"data: [DONE]\n\n") and filt.done
+    small = SSEFilter(keep_usage=False, max_event_bytes=4096)
+    assert small.feed(b'data: {"a":1}\n\ndata: {"b"') == b'data: {"a":1}\n\n'
+    with pytest.raises(UpstreamTooLarge):
+        for _ in range(10):
+            small.feed(piece)
+
+
+def test_event_separator_split_across_reads():
+    filt = SSEFilter(keep_usage=False)
+    assert filt.feed(b"data: 1\n") == b""
+    assert filt.feed(b"\ndata: 2") == b"data: 1\n\n"
+    assert filt.feed(b"\n") == b""
+    assert filt.feed(b"\n") == b"data: 2\n\n"

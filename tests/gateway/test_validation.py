@@ -1,7 +1,8 @@
+import orjson
 import pytest
 
 from usefulwork.gateway.errors import GatewayError
-from usefulwork.gateway.validation import parse_json, validate_chat, validate_completion
+from usefulwork.gateway.validation import MAX_JSON_DEPTH, parse_json, validate_chat, validate_completion
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -51,3 +52,68 @@ def test_bad_prompt_is_422(prompt):
     with pytest.raises(GatewayError) as e:
         validate_completion(body)
     assert e.value.status == 422 and e.value.param == "prompt"
+
+
+def _nested(depth: int, leaf="x") -> object:
+    v = leaf
+    for _ in range(depth):
+        v = [v]
+    return v
+
+
+@pytest.mark.parametrize("field, depth", [("max_tokens", 990), ("n", 990), ("temperature", 990), ("role", 990),
+                                          ("content", 254), ("content", 1000)])
+def test_deeply_nested_values_are_a_400_not_a_recursion_error(field, depth):
+    """Issue #9.5: repr() of a ~990-deep value hit the recursion limit; orjson cannot re-encode 254+."""
+    msg = {"role": "user", "content": "hi"}
+    body = {"model": "m", "messages": [msg], "stream": True}
+    if field in ("role", "content"):
+        msg[field] = _nested(depth)
+    else:
+        body[field] = _nested(depth)
+    raw = orjson.dumps(body) if depth < 254 else _dumps_deep(body)
+    with pytest.raises(GatewayError) as e:
+        validate_chat(parse_json(raw))
+    assert e.value.status == 400 and "nest" in e.value.message
+
+
+def _dumps_deep(obj) -> bytes:
+    """json.dumps without orjson's depth limit (the attacker's encoder)."""
+    import json
+    import sys
+
+    sys.setrecursionlimit(10_000)
+    try:
+        return json.dumps(obj).encode()
+    finally:
+        sys.setrecursionlimit(1000)
+
+
+def test_every_accepted_body_can_be_re_encoded():
+    body = {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi",
+                                                                      "x": _nested(MAX_JSON_DEPTH - 6)}]}]}
+    parsed = parse_json(orjson.dumps(body))
+    validate_chat(parsed)
+    assert orjson.loads(orjson.dumps(parsed)) == body  # the streaming path re-encodes the body
+
+
+def test_error_messages_do_not_echo_huge_values():
+    with pytest.raises(GatewayError) as e:
+        validate_chat({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": "9" * 100_000})
+    assert len(e.value.message) < 300
+
+
+async def test_deep_body_through_the_app_is_400_without_traceback(caplog):
+    import httpx
+
+    from usefulwork import config
+    from usefulwork.gateway.app import build_app
+
+    cfg = config.from_mapping({"pools": [{"name": "p", "models": ["m"], "replicas": ["http://127.0.0.1:9"]}]},
+                              environ={})
+    app = build_app(cfg)
+    raw = _dumps_deep({"model": "m", "stream": True, "messages": [{"role": "user", "content": _nested(254)}]})
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
+        r = await client.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    assert "Traceback" not in caplog.text

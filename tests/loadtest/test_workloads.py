@@ -140,3 +140,12 @@ def test_malformed_traces_name_the_line(tmp_path, fmt, content, message):
     f.write_text(content)
     with pytest.raises(TraceError, match=message):
         traces.load(fmt, f)
+
+
+def test_shared_prefix_hot_share():
+    w = workloads.from_spec({"type": "synthetic", "prompt_tokens": 100, "output_tokens": 8,
+                             "shared_prefix": {"groups": 10, "prefix_tokens": 40, "hot_share": 0.8}})
+    kinds = [s.kind for s in _take(w, 1000)]
+    assert 0.78 < kinds.count("prefix-0") / 1000 < 0.88  # 0.8 hot + 0.2 x 1/10 uniform
+    with pytest.raises(workloads.WorkloadError, match="hot_share"):
+        workloads.from_spec({"type": "synthetic", "shared_prefix": {"groups": 2, "prefix_tokens": 8, "hot_share": 2}})

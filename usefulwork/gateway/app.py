@@ -92,11 +92,15 @@ def build_app(cfg: Config, client: httpx.AsyncClient | None = None) -> HotPaths:
     services = Services(cfg=cfg, fleet=fleet, accountant=bundle.accountant,
                         meter=bundle.telemetry.meter if bundle.telemetry is not None else None)
     filters = build_filters(cfg.filters, services)
-    handler = chain(filters, Forwarder(fleet, build_pickers(cfg, fleet)))
+    pickers = build_pickers(cfg, fleet, services.meter)
+    handler = chain(filters, Forwarder(fleet, pickers))
     intake = Intake(fleet, bundle.accountant, Tenants(cfg), handler, max_body=cfg.limits.max_body_bytes,
                     body_timeout_s=cfg.limits.body_timeout_s, virtual_models=services.virtual_models)
     endpoints = {op.path: Endpoint(intake, op) for op in OPERATIONS}
     bundle.accountant.filter_stats = {f.name: f.stats for f in filters if hasattr(f, "stats")}
+    picker_stats = {name: p.stats for name, p in pickers.items() if hasattr(p, "stats")}  # prefix pickers' self-check
+    if picker_stats:
+        bundle.accountant.filter_stats["pickers"] = lambda: {name: st() for name, st in picker_stats.items()}
     started = time.time()
 
     async def models(request: Request) -> Response:

@@ -30,6 +30,10 @@ class RequestContext:
     replica: str | None = None
     route: str | None = None
     route_reason: str | None = None
+    escalated: bool = False  # a cascade discarded the small tier's answer and asked the large tier
+    discarded_tokens: int = 0  # prompt + completion tokens of that discarded answer
+    discarded_cost_usd: float = 0.0  # its price-sheet cost (0 when the small pool has no prices)
+    predicted_cached_tokens: int | None = None  # a prefix picker's prediction, checked against cached_tokens
     attempts: int = 0
 
     # admission (gateway/admission): class, decision (admit | queued | shed | refused | degraded:...), queue wait
@@ -40,6 +44,7 @@ class RequestContext:
 
     # cache
     cache: str = "miss"  # miss | hit-exact | hit-semantic | bypass
+    saved_usd: float = 0.0  # a cache hit: price-sheet cost of the stored answer it served again
 
     # usage
     prompt_tokens: int = 0

@@ -50,9 +50,10 @@ def run_gateway(cfg: Config, log_level: str = "warning") -> None:
     import uvicorn
 
     from usefulwork.gateway.app import build_app
+    from usefulwork.gateway.client_protocol import protocol_class
 
     app = build_app(cfg)
-    uv = uvicorn.Config(app, host=cfg.listen.host, port=cfg.listen.port, loop="auto", http="auto",
+    uv = uvicorn.Config(app, host=cfg.listen.host, port=cfg.listen.port, loop="auto", http=protocol_class(cfg),
                         access_log=False, log_level=log_level, lifespan="on", timeout_graceful_shutdown=10)
     server = uvicorn.Server(uv)
     _say(f"gateway listening on http://{cfg.listen.host}:{cfg.listen.port}/v1  "

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import orjson
 
+from usefulwork.upstream.http1 import UpstreamTooLarge
+
+MAX_EVENT_BYTES = 1 << 20  # default bound on one event (config: limits.max_sse_event_bytes)
 _SEP = b"\n\n"
 _USAGE = b'"usage":{'
 _USAGE_SPACED = b'"usage": {'
@@ -18,25 +21,45 @@ DONE_EVENT = b"data: [DONE]\n\n"
 
 
 class SSEFilter:
-    __slots__ = ("_buf", "keep_usage", "usage", "events", "done")
+    """Re-frames one upstream stream. An unfinished event is kept as a list of reads, joined once
+    when its end arrives (linear cost however it is split), and may not exceed ``max_event_bytes``
+    (``UpstreamTooLarge``: the caller ends the stream with an error event)."""
 
-    def __init__(self, keep_usage: bool):
-        self._buf = b""
+    __slots__ = ("_parts", "_size", "keep_usage", "usage", "events", "done", "max_event_bytes")
+
+    def __init__(self, keep_usage: bool, max_event_bytes: int = MAX_EVENT_BYTES):
+        self._parts: list[bytes] = []  # an unfinished event's reads; none holds a whole separator
+        self._size = 0
         self.keep_usage = keep_usage
         self.usage: dict | None = None
         self.events = 0  # complete events forwarded (excluding [DONE])
         self.done = False
+        self.max_event_bytes = max_event_bytes
+
+    def _keep(self, part: bytes) -> None:
+        self._parts.append(part)
+        self._size += len(part)
+        if self._size > self.max_event_bytes:
+            raise UpstreamTooLarge(f"an upstream SSE event exceeds the limit of {self.max_event_bytes} bytes")
 
     def feed(self, chunk: bytes) -> bytes:
         """Take raw upstream bytes; return the complete events to forward (possibly b"")."""
-        if self._buf:
-            chunk = self._buf + chunk
         end = chunk.rfind(_SEP)
+        if self._parts:
+            if end < 0 and not (chunk[:1] == b"\n" and self._parts[-1][-1:] == b"\n"):
+                self._keep(chunk)  # the event goes on: only the new bytes were scanned
+                return b""
+            head = self._size
+            chunk = b"".join(self._parts) + chunk
+            self._parts = []
+            self._size = 0
+            end = chunk.rfind(_SEP, max(head - 1, 0)) if end < 0 else end + head
         if end < 0:
-            self._buf = chunk
+            self._keep(chunk)
             return b""
         end += 2
-        self._buf = chunk[end:]
+        if end < len(chunk):
+            self._keep(chunk[end:])
         out = chunk[:end]
         if _USAGE in out or _USAGE_SPACED in out:
             out = self._take_usage(out)
@@ -48,7 +71,9 @@ class SSEFilter:
 
     def flush(self) -> bytes:
         """Whatever is left when upstream closes (an unterminated last event)."""
-        rest, self._buf = self._buf, b""
+        rest = b"".join(self._parts)
+        self._parts = []
+        self._size = 0
         return rest
 
     @staticmethod

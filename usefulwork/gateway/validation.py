@@ -4,6 +4,10 @@ Hand-written checks rather than a pydantic model: this runs on every request, th
 and a dict walk costs a few microseconds where model validation costs tens. Only what the gateway
 must rely on (or what would otherwise fail late, upstream) is checked; unknown fields pass through
 to vLLM untouched, since vLLM accepts many extensions (ignore_eos, min_tokens, ...).
+
+Hostile shapes are refused before anything else looks at them: a body nested deeper than
+``MAX_JSON_DEPTH`` is a 400 (orjson cannot re-encode past 254 levels, ``repr`` recurses), and error
+messages show a value's type, or a short prefix, never the whole value.
 """
 
 from __future__ import annotations
@@ -15,10 +19,31 @@ import orjson
 from usefulwork.gateway.errors import GatewayError
 
 _ROLES = frozenset({"system", "user", "assistant", "tool", "developer", "function"})
+MAX_JSON_DEPTH = 64  # nested objects/arrays in a request body; OpenAI's own shapes need fewer than 10
 
 
 def _bad(param: str, message: str) -> GatewayError:
     return GatewayError(422, message, param=param, code="invalid_value")
+
+
+def _show(v: Any) -> str:
+    """A value for an error message: short, and never a recursive repr of a container."""
+    if isinstance(v, (dict, list)):
+        return "an object" if isinstance(v, dict) else "a list"
+    text = repr(v)
+    return text if len(text) <= 40 else text[:40] + "..."
+
+
+def _too_deep(body: Any) -> bool:
+    stack = [(body, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            return True
+        for x in v.values() if isinstance(v, dict) else v:
+            if isinstance(x, (dict, list)):
+                stack.append((x, depth + 1))
+    return False
 
 
 def _is_int(v: Any) -> bool:
@@ -35,10 +60,15 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise GatewayError(400, f"request body is not valid JSON: {exc.args[0] if exc.args else exc}",
-                           code="invalid_json") from None
+        why = str(exc.args[0] if exc.args else exc)
+        if "recursion" in why:
+            why = f"it nests deeper than {MAX_JSON_DEPTH} levels"
+        raise GatewayError(400, f"request body is not valid JSON: {why}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise GatewayError(400, f"request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+    # one C-speed count rules out deep nesting for nearly every body; only bracket-heavy ones are walked
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _too_deep(body):
+        raise GatewayError(400, f"request body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
     return body
 
 
@@ -51,19 +81,19 @@ def _check_common(body: dict[str, Any]) -> None:
     for key in ("max_tokens", "max_completion_tokens"):
         v = body.get(key)
         if v is not None and (not _is_int(v) or v < 1):
-            raise _bad(key, f"'{key}' must be an integer >= 1, got {v!r}")
+            raise _bad(key, f"'{key}' must be an integer >= 1, got {_show(v)}")
     n = body.get("n")
     if n is not None and (not _is_int(n) or n < 1):
-        raise _bad("n", f"'n' must be an integer >= 1, got {n!r}")
+        raise _bad("n", f"'n' must be an integer >= 1, got {_show(n)}")
     t = body.get("temperature")
     if t is not None and (not _is_num(t) or not 0 <= t <= 2):
-        raise _bad("temperature", f"'temperature' must be a number in [0, 2], got {t!r}")
+        raise _bad("temperature", f"'temperature' must be a number in [0, 2], got {_show(t)}")
     p = body.get("top_p")
     if p is not None and (not _is_num(p) or not 0 <= p <= 1):
-        raise _bad("top_p", f"'top_p' must be a number in [0, 1], got {p!r}")
+        raise _bad("top_p", f"'top_p' must be a number in [0, 1], got {_show(p)}")
     s = body.get("stream")
     if s is not None and not isinstance(s, bool):
-        raise _bad("stream", f"'stream' must be a boolean, got {s!r}")
+        raise _bad("stream", f"'stream' must be a boolean, got {_show(s)}")
     so = body.get("stream_options")
     if so is not None:
         if not isinstance(so, dict):
@@ -90,7 +120,7 @@ def validate_chat(body: dict[str, Any]) -> None:
             raise _bad(f"messages[{i}]", f"messages[{i}] must be an object")
         role = m.get("role")
         if not isinstance(role, str) or role not in _ROLES:
-            raise _bad(f"messages[{i}].role", f"messages[{i}].role must be one of {sorted(_ROLES)}, got {role!r}")
+            raise _bad(f"messages[{i}].role", f"messages[{i}].role must be one of {sorted(_ROLES)}, got {_show(role)}")
         content = m.get("content")
         if content is None:
             if role == "assistant" and (m.get("tool_calls") or m.get("function_call")):

@@ -55,6 +55,7 @@ class RequestResult:
     shed_s: float = 0.0  # send -> the first 429's answer (how early admission said no)
     shed_reason: str = ""  # x-usefulwork-shed-reason of the first 429
     wait_s: float = 0.0  # Retry-After of the latest 429
+    text: list[str] | None = None  # the generated text, kept only when asked (paired replay compares outputs)
 
     @property
     def schedule_lag(self) -> float:
@@ -126,6 +127,9 @@ async def _stream(client: httpx.AsyncClient, url: str, body: bytes, headers: dic
             now = time.perf_counter()
             choices = obj.get("choices")
             if choices and _has_text(choices[0]):
+                if res.text is not None:
+                    c = choices[0]
+                    res.text.append(c.get("text") or (c.get("delta") or {}).get("content") or "")
                 if res.chunks == 0:
                     res.ttft = now - t_send
                 else:
@@ -165,7 +169,8 @@ def _note_shed(res: RequestResult, headers: httpx.Headers, after_s: float) -> No
 
 async def send(client: httpx.AsyncClient, base_url: str, spec: RequestSpec, model: str, *, timeout_s: float,
                clock0: float, planned: float, api_key: str | None = None, headers: dict[str, str] | None = None,
-               group: str = "", honor_retry_after: bool = False, max_retries: int = 3) -> RequestResult:
+               group: str = "", honor_retry_after: bool = False, max_retries: int = 3,
+               keep_text: bool = False) -> RequestResult:
     """Send one streaming request; never raises (every failure becomes an outcome).
 
     With ``honor_retry_after`` a 429 that carries Retry-After is waited out and retried (up to
@@ -173,11 +178,10 @@ async def send(client: httpx.AsyncClient, base_url: str, spec: RequestSpec, mode
     first send, as the user lives them.
     """
     res = RequestResult(index=spec.index, kind=spec.kind, planned=planned, planned_input_tokens=spec.input_tokens,
-                        group=group)
+                        group=group, text=[] if keep_text else None)
     path = "/v1/chat/completions" if spec.endpoint == "chat" else "/v1/completions"
     res.request_id = os.urandom(8).hex()
-    headers = {"content-type": "application/json", "x-request-id": res.request_id}
-    hdrs = {"content-type": "application/json", **(headers or {})}
+    hdrs = {"content-type": "application/json", "x-request-id": res.request_id, **(headers or {})}
     if api_key:
         hdrs["authorization"] = f"Bearer {api_key}"
     body = orjson.dumps(spec.body(model))

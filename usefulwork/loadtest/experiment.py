@@ -20,6 +20,7 @@ import contextlib
 import copy
 import dataclasses
 import fcntl
+import json
 import os
 import platform
 import subprocess
@@ -99,7 +100,8 @@ class Profile:
     sim_profile: str
     sim_overrides: dict[str, Any]
     time_scale: float | None = None  # sim only: overrides backend.time_scale for this profile
-    gateway: dict[str, Any] = field(default_factory=dict)  # merged into the gateway's config (filters, tenants)
+    gateway: dict[str, Any] = field(default_factory=dict)  # merged into the gateway's config (routing, filters, tenants)
+    model: str | None = None  # the model name clients send (default: the backend's served name)
 
 
 @dataclass
@@ -169,7 +171,7 @@ def load_experiment(name_or_path: str) -> Experiment:
         profiles.append(Profile(name=pname, description=p.get("description", ""),
                                 vllm_args=[str(a) for a in p.get("vllm_args", [])],
                                 sim_profile=p.get("sim_profile", pname), sim_overrides=p.get("sim_overrides") or {},
-                                time_scale=p.get("time_scale"), gateway=p.get("gateway") or {}))
+                                time_scale=p.get("time_scale"), gateway=p.get("gateway") or {}, model=p.get("model")))
     if not profiles:
         raise ExperimentError(f"{src}: no profiles")
     cases = raw.get("cases") or {}
@@ -218,8 +220,17 @@ def cpu_lock(path: str | None) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _backend_process(exp: Experiment, profile: Profile, port: int, log_path: Path):
+def backend_pools(exp: Experiment) -> list[dict[str, Any]]:
+    """The pools to start: ``backend.pools`` (sim only; each inherits the backend's keys), else the
+    backend itself as one pool. ``replicas`` (default 1) servers per pool; ``kv_events: true`` makes
+    each simulated server publish vLLM's KV-cache events (the precise prefix picker reads them)."""
     b = exp.backend
+    return [{**{k: v for k, v in b.items() if k != "pools"}, **p} for p in b.get("pools") or [{}]]
+
+
+def _backend_process(exp: Experiment, profile: Profile, port: int, log_path: Path,
+                     pool: dict[str, Any] | None = None, kv_port: int | None = None):
+    b = pool or exp.backend
     if b["kind"] == "local-vllm":
         from usefulwork.backends.local import LocalVLLM
         from usefulwork.backends.model import ensure_model
@@ -229,10 +240,14 @@ def _backend_process(exp: Experiment, profile: Profile, port: int, log_path: Pat
                          kv_cache_gib=int(b.get("kv_cache_gib", 2)), extra_args=profile.vllm_args, log_path=log_path)
     from usefulwork.backends.sim.process import SimProcess
 
+    extra = dict(profile.sim_overrides)
+    if kv_port is not None:
+        extra["kv_events_config"] = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                                "endpoint": f"tcp://*:{kv_port}"})
     return SimProcess(gpu=b.get("gpu_name", "A100-80G"), model=b.get("model", "Llama-3.1-8B"),
                       precision=b.get("precision", "bf16"), tp=int(b.get("tp", 1)), profile=profile.sim_profile,
                       served_name=b.get("served_name", "llama-3.1-8b"), port=port,
-                      time_scale=time_scale(exp, profile), seed=exp.seed, extra=profile.sim_overrides,
+                      time_scale=time_scale(exp, profile), seed=exp.seed, extra=extra,
                       log_path=log_path)
 
 
@@ -241,8 +256,12 @@ def served_name(exp: Experiment) -> str:
 
 
 def usd_per_hour(exp: Experiment) -> float:
-    gpu = exp.backend.get("gpu") or {}
-    return float(gpu.get("usd_per_hour", 0.0)) * int(gpu.get("count", 1))
+    """The whole fleet's $/hour: every pool's GPUs x its replicas."""
+    total = 0.0
+    for pool in backend_pools(exp):
+        gpu = pool.get("gpu") or {}
+        total += float(gpu.get("usd_per_hour", 0.0)) * int(gpu.get("count", 1)) * int(pool.get("replicas", 1))
+    return total
 
 
 def time_scale(exp: Experiment, profile: Profile) -> float:
@@ -255,25 +274,37 @@ def time_scale(exp: Experiment, profile: Profile) -> float:
     return float(s)
 
 
-def gateway_config(exp: Experiment, profile: Profile, backend_url: str, port: int,
-                   ledger_path: Path | None = None) -> dict[str, Any]:
+def gateway_config(exp: Experiment, profile: Profile, backend_urls: str | list[list[str]], port: int,
+                   kv_endpoints: dict[str, str] | None = None, ledger_path: Path | None = None) -> dict[str, Any]:
+    """The gateway in front of the profile's backends: one pool per ``backend_pools`` entry (its
+    replicas' URLs in ``backend_urls``), then the profile's ``gateway`` mapping merged in."""
     s = time_scale(exp, profile)
-    gpu = exp.backend.get("gpu") or {}
-    return _deep_merge({
+    urls = [[backend_urls]] if isinstance(backend_urls, str) else backend_urls
+    pools = []
+    for spec, replicas in zip(backend_pools(exp), urls):
+        gpu = spec.get("gpu") or {}
+        pools.append({
+            "name": spec.get("name", profile.name),
+            "models": [spec.get("served_name", served_name(exp))],
+            "replicas": replicas,
+            "gpu": {"type": str(gpu.get("type", "gpu")), "count": int(gpu.get("count", 1)) * len(replicas),
+                    "usd_per_hour": float(gpu.get("usd_per_hour", 0.0)) * s},
+            **({"prices": spec["prices"]} if spec.get("prices") else {}),
+        })
+    cfg = _deep_merge({
         "listen": {"host": "127.0.0.1", "port": port},
         # The per-request ledger beside the results: joins with them on x-request-id (client_request_id).
         "ledger": {"jsonl_path": str(ledger_path) if ledger_path else None},
         # In scaled time the gateway sees wall seconds: targets / s, price x s (see module doc).
         "slo": {"ttft_ms": exp.slo.ttft_ms / s, "tpot_ms": exp.slo.tpot_ms / s, "e2e_ms": exp.slo.e2e_ms / s},
         "timeouts": {"first_byte_s": 600.0, "read_s": 600.0},
-        "pools": [{
-            "name": profile.name,
-            "models": [served_name(exp)],
-            "replicas": [backend_url],
-            "gpu": {"type": str(gpu.get("type", "gpu")), "count": int(gpu.get("count", 1)),
-                    "usd_per_hour": float(gpu.get("usd_per_hour", 0.0)) * s},
-        }],
+        "pools": pools,
     }, profile.gateway)
+    routing = cfg.get("routing") or {}
+    for picker in [routing.get("default_picker") or {}, *(routing.get("pickers") or {}).values()]:
+        if picker.get("kind") == "precise-prefix" and kv_endpoints:
+            picker.setdefault("kv_events_endpoints", dict(kv_endpoints))
+    return cfg
 
 
 def free_port() -> int:
@@ -323,6 +354,46 @@ def _metric_sum(text: str, names: tuple[str, ...]) -> float:
             if line.startswith(n + "{") or line.startswith(n + " "):
                 total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+BACKEND_COUNTERS = {"requests": ("vllm:request_success_total",), "prefix_queries": ("vllm:prefix_cache_queries_total",),
+                    "prefix_hits": ("vllm:prefix_cache_hits_total",), "prompt_tokens": ("vllm:prompt_tokens_total",),
+                    "generation_tokens": ("vllm:generation_tokens_total",)}
+
+
+def backend_counters(base_urls: list[str]) -> list[dict[str, float]]:
+    """Each backend's request and prefix-cache counters (for per-replica deltas around a cell)."""
+    out = []
+    for url in base_urls:
+        text = httpx.get(f"{url}/metrics", timeout=5.0).text
+        out.append({k: _metric_sum(text, names) for k, names in BACKEND_COUNTERS.items()})
+    return out
+
+
+def backend_deltas(urls: list[str], before: list[dict[str, float]], after: list[dict[str, float]],
+                   pools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Per-replica work and prefix-cache hit rate over a cell, and the fleet's figures. With
+    ``pools`` (one spec per URL), the share of requests per pool and the price-sheet cost of the
+    tokens each pool processed (``prices``: $ per 1M input / output tokens)."""
+    rows = [{"url": u, **{k: a[k] - b[k] for k in BACKEND_COUNTERS}} for u, b, a in zip(urls, before, after)]
+    q = sum(r["prefix_queries"] for r in rows)
+    reqs = [r["requests"] for r in rows]
+    out: dict[str, Any] = {"replicas": rows, "prefix_hit_rate": sum(r["prefix_hits"] for r in rows) / q if q else None,
+                           "replica_requests_max_min": max(reqs) / min(reqs) if reqs and min(reqs) > 0 else None}
+    if pools:
+        by_pool: dict[str, dict[str, float]] = {}
+        for r, spec in zip(rows, pools):
+            p = by_pool.setdefault(spec.get("name", "default"), {"requests": 0.0, "usd_price_sheet": 0.0})
+            prices = spec.get("prices") or {}
+            p["requests"] += r["requests"]
+            p["usd_price_sheet"] += (r["prompt_tokens"] * float(prices.get("input_per_1m") or 0.0)
+                                     + r["generation_tokens"] * float(prices.get("output_per_1m") or 0.0)) / 1e6
+        total = sum(p["requests"] for p in by_pool.values())
+        for p in by_pool.values():
+            p["share"] = p["requests"] / total if total else None
+        out["pools"] = by_pool
+        out["usd_price_sheet"] = sum(p["usd_price_sheet"] for p in by_pool.values())
+    return out
 
 
 def wait_idle(base_url: str, timeout_s: float = 120.0) -> float:
@@ -420,8 +491,8 @@ def run_cell(exp: Experiment, profile: Profile, shape: dict[str, Any], case: Cas
                     num_requests=case.num_requests, timeout_s=timeout, drain_s=drain, seed=exp.seed,
                     clients=case.clients, honor_retry_after=case.honor_retry_after)
     workload = workloads.from_spec(case.workload, Path(exp.source).parent)
-    target = Target(url, served_name(exp))
-    window = StatsWindow(url, s) if use_gateway else None
+    target = Target(url, profile.model or served_name(exp))
+    window = StatsWindow(url, s, exp.backend.get("admin_key")) if use_gateway else None
     if window:
         window.begin()
     progress = None
@@ -442,6 +513,14 @@ def run_cell(exp: Experiment, profile: Profile, shape: dict[str, Any], case: Cas
     if window:
         result["gateway"] = window.end(result)
     return result
+
+
+def _cache_line(result: dict[str, Any]) -> str:
+    c = ((result.get("gateway") or {}).get("figures") or {}).get("cache")
+    if not c or c["hit_share"] is None:
+        return ""
+    return (f", cache hits {c['hit_share']:.1%}, cache CPU {c['cpu_ms_per_request']:.3f} ms/request "
+            f"(+ embedding {c['embed_ms_per_request']:.2f} ms/request, off the event loop)")
 
 
 def ratios(exp: Experiment, cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -513,15 +592,30 @@ def run_experiment(exp: Experiment, opts: Options, console: Console) -> dict[str
         with cpu_lock(opts.cpu_lock):
             lock_wait = time.monotonic() - t_prof
             t_prof = time.monotonic()  # lock waits are reported apart from the matrix's own time
-            backend = _backend_process(exp, profile, backend_port, out_dir / f"backend-{profile.name}.log")
-            console.print(f"[bold]{profile.name}[/]: starting {exp.backend['kind']} backend on :{backend_port}")
-            backend.start()
+            backends, urls, kv_endpoints, backend_specs = [], [], {}, []
+            for pi, pool in enumerate(backend_pools(exp)):
+                urls.append([])
+                for ri in range(int(pool.get("replicas", 1))):
+                    port = backend_port if not backends else (free_port() if opts.port_base is None
+                                                              else opts.port_base + 100 + 10 * i + len(backends))
+                    kv_port = free_port() if pool.get("kv_events") else None
+                    tag = "" if len(backend_pools(exp)) == 1 and int(pool.get("replicas", 1)) == 1 else f"-{pi}.{ri}"
+                    b = _backend_process(exp, profile, port, out_dir / f"backend-{profile.name}{tag}.log", pool, kv_port)
+                    console.print(f"[bold]{profile.name}[/]: starting {exp.backend['kind']} backend on :{port}")
+                    b.start()
+                    backends.append(b)
+                    backend_specs.append(pool)
+                    urls[-1].append(b.base_url)
+                    if kv_port is not None:
+                        kv_endpoints[b.base_url] = f"tcp://127.0.0.1:{kv_port}"
+            backend = backends[0]
             gateway = None
             try:
-                backend.wait_ready(timeout_s=600)
+                for b in backends:
+                    b.wait_ready(timeout_s=600)
                 url = backend.base_url
                 if opts.use_gateway:
-                    gateway = Gateway(gateway_config(exp, profile, backend.base_url, gw_port,
+                    gateway = Gateway(gateway_config(exp, profile, urls, gw_port, kv_endpoints,
                                                      out_dir / f"ledger-{profile.name}.jsonl"), out_dir)
                     gateway.start()
                     url = gateway.base_url
@@ -530,22 +624,30 @@ def run_experiment(exp: Experiment, opts: Options, console: Console) -> dict[str
                 for p, shape, case in cells_plan:
                     if p is not profile:
                         continue
-                    wait_idle(backend.base_url)
+                    for b in backends:
+                        wait_idle(b.base_url)
+                    before = backend_counters([b.base_url for b in backends])
                     result = run_cell(exp, profile, shape, case, url, opts.use_gateway,
                                       None if opts.quiet else console)
+                    result["backends"] = backend_deltas([b.base_url for b in backends], before,
+                                                        backend_counters([b.base_url for b in backends]), backend_specs)
+                    sheet = result["backends"].get("usd_price_sheet")
+                    if sheet is not None and result.get("completed"):
+                        result["backends"]["usd_price_sheet_per_1k_successful"] = sheet / result["completed"] * 1e3
                     cells.append({"shape": shape["name"], "case": case.name, "profile": profile.name,
                                   "result": result})
                     r = result
                     console.print(f"  {shape['name']} {case.name} / {profile.name}: {r['completed']} ok / "
                                   f"{r['dropped']} dropped, p95 {r['p95_e2el_ms'] / 1000:.2f}s, "
-                                  f"$/1K ok {r['usd_per_1k_successful']}, SLO {'pass' if r['slo_passed'] else 'miss'}",
-                                  highlight=False)
+                                  f"$/1K ok {r['usd_per_1k_successful']}, SLO {'pass' if r['slo_passed'] else 'miss'}"
+                                  + _cache_line(r), highlight=False)
                     write_json(out_dir / "results.json", data)  # partial results survive a crash
             finally:
                 t_stop = time.monotonic()
                 if gateway:
                     gateway.stop()
-                backend.stop()
+                for b in backends:
+                    b.stop()
                 timings[profile.name] = {"lock_wait_s": lock_wait, "start_s": started,
                                          "stop_s": time.monotonic() - t_stop,
                                          "total_s": time.monotonic() - t_prof}

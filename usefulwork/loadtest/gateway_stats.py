@@ -17,8 +17,9 @@ from typing import Any
 import httpx
 
 
-def fetch(base_url: str, timeout_s: float = 5.0) -> dict[str, Any]:
-    r = httpx.get(f"{base_url}/usefulwork/stats", timeout=timeout_s)
+def fetch(base_url: str, timeout_s: float = 5.0, api_key: str | None = None) -> dict[str, Any]:
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else None  # the admin key, where keys exist
+    r = httpx.get(f"{base_url}/usefulwork/stats", timeout=timeout_s, headers=headers)
     r.raise_for_status()
     return r.json()
 
@@ -40,6 +41,15 @@ def delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     d["usd_per_1k_good"] = cost / d["good"] * 1e3 if d["good"] else None
     d["usd_per_1m_generated_tokens"] = cost / d["generated_tokens_ok"] * 1e6 if d["generated_tokens_ok"] else None
     d["fleet_usd_per_hour"] = sum(p.get("usd_per_hour", 0.0) for p in after.get("pools", {}).values())
+    cache_a, cache_b = (before.get("filters") or {}).get("cache"), (after.get("filters") or {}).get("cache")
+    if cache_a and cache_b:  # the cache filter's figures for the window (docs/caching.md)
+        seen = {k: cache_b["requests"][k] - cache_a["requests"].get(k, 0) for k in cache_b["requests"]}
+        n = sum(seen.values())
+        hits = seen.get("hit-exact", 0) + seen.get("hit-semantic", 0)
+        d["cache"] = {"requests": seen, "hit_share": hits / n if n else None,
+                      "saved_usd": cache_b["saved_usd"] - cache_a["saved_usd"],
+                      "cpu_ms_per_request": (cache_b["cpu_s"] - cache_a["cpu_s"]) * 1e3 / n if n else None,
+                      "embed_ms_per_request": (cache_b["embed_s"] - cache_a["embed_s"]) * 1e3 / n if n else None}
     return d
 
 
@@ -70,15 +80,16 @@ def compare(result: dict[str, Any], gw: dict[str, Any], time_scale: float = 1.0)
 
 
 class StatsWindow:
-    def __init__(self, base_url: str, time_scale: float = 1.0) -> None:
+    def __init__(self, base_url: str, time_scale: float = 1.0, api_key: str | None = None) -> None:
         self.base_url = base_url
+        self.api_key = api_key
         self.time_scale = time_scale
         self.before: dict[str, Any] | None = None
         self.error: str | None = None
 
     def begin(self) -> None:
         try:
-            self.before = fetch(self.base_url)
+            self.before = fetch(self.base_url, api_key=self.api_key)
         except (httpx.HTTPError, ValueError, KeyError) as exc:
             self.error = f"GET /usefulwork/stats failed: {exc}"
 
@@ -89,11 +100,14 @@ class StatsWindow:
         deadline = time.monotonic() + settle_s
         while True:
             try:
-                after = fetch(self.base_url)
+                after = fetch(self.base_url, api_key=self.api_key)
                 gw = delta(self.before, after)
             except (httpx.HTTPError, ValueError, KeyError) as exc:
                 return {"error": f"GET /usefulwork/stats failed: {exc}"}
             if gw["requests"] >= result["num_prompts"] or time.monotonic() >= deadline:
                 break
             time.sleep(0.2)
-        return {"figures": gw, "compare": compare(result, gw, self.time_scale)}
+        out = {"figures": gw, "compare": compare(result, gw, self.time_scale)}
+        if after.get("filters"):
+            out["filters"] = after["filters"]  # e.g. admission's limit, queues and sheds at the cell's end
+        return out

@@ -40,6 +40,7 @@ class RequestSpec:
     ignore_eos: bool = True  # vLLM extension: generate exactly max_tokens (as `vllm bench` does)
     at: float | None = None  # planned send offset in seconds (trace workloads only)
     kind: str = ""  # label for breakdowns: "simple", "complex", "prefix-3", ...
+    temperature: float | None = None  # sent when set (cacheable Q&A workloads ask for 0)
 
     def body(self, model: str) -> dict[str, Any]:
         """The OpenAI request body (always streaming, always asking for usage)."""
@@ -55,6 +56,8 @@ class RequestSpec:
             body["prompt"] = self.prompt
         if self.ignore_eos:
             body["ignore_eos"] = True
+        if self.temperature is not None:
+            body["temperature"] = self.temperature
         return body
 
 
@@ -164,6 +167,7 @@ class Lengths:
 class SharedPrefix:
     groups: int
     prefix_tokens: int
+    hot_share: float = 0.0  # share of requests that use group 0 (one very popular prefix); the rest uniform
 
 
 @dataclass
@@ -189,7 +193,8 @@ class Synthetic:
             n_out = self.output_tokens.sample(rng)
             kind = ""
             if prefixes:
-                g = int(rng.integers(0, len(prefixes)))
+                hot = self.shared_prefix.hot_share  # type: ignore[union-attr]
+                g = 0 if hot and rng.random() < hot else int(rng.integers(0, len(prefixes)))
                 body = prefixes[g] + random_text(rng, max(1, n_in - self.shared_prefix.prefix_tokens))  # type: ignore[union-attr]
                 kind = f"prefix-{g}"
             else:
@@ -203,7 +208,8 @@ class Synthetic:
                              "output_tokens": self.output_tokens.describe(), "endpoint": self.endpoint,
                              "ignore_eos": self.ignore_eos}
         if self.shared_prefix:
-            d["shared_prefix"] = {"groups": self.shared_prefix.groups, "prefix_tokens": self.shared_prefix.prefix_tokens}
+            d["shared_prefix"] = {"groups": self.shared_prefix.groups, "prefix_tokens": self.shared_prefix.prefix_tokens,
+                                  "hot_share": self.shared_prefix.hot_share}
         return d
 
 
@@ -227,7 +233,7 @@ class PromptList:
                 src = self.items[int(j)]
                 yield RequestSpec(index=i, endpoint=src.endpoint, max_tokens=src.max_tokens,
                                   input_tokens=src.input_tokens, prompt=src.prompt, messages=src.messages,
-                                  ignore_eos=src.ignore_eos, kind=src.kind)
+                                  ignore_eos=src.ignore_eos, kind=src.kind, temperature=src.temperature)
                 i += 1
 
     def describe(self) -> dict[str, Any]:
@@ -249,6 +255,10 @@ def parse_prompt_line(obj: Any, where: str, default_max_tokens: int) -> RequestS
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise WorkloadError(f"{where}: max_tokens must be a positive integer, got {max_tokens!r}")
     kind = str(obj.get("kind", ""))
+    temperature = obj.get("temperature")
+    if temperature is not None and (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
+                                    or not 0 <= temperature <= 2):
+        raise WorkloadError(f"{where}: temperature must be a number in [0, 2], got {temperature!r}")
     if "messages" in obj:
         msgs = obj["messages"]
         if not isinstance(msgs, list) or not msgs or not all(
@@ -257,7 +267,7 @@ def parse_prompt_line(obj: Any, where: str, default_max_tokens: int) -> RequestS
             raise WorkloadError(f"{where}: messages must be a non-empty list of {{role, content}} objects")
         n = sum(_approx_tokens(m["content"]) for m in msgs)
         return RequestSpec(index=0, endpoint="chat", max_tokens=max_tokens, input_tokens=n, messages=msgs,
-                           ignore_eos=bool(obj.get("ignore_eos", False)), kind=kind)
+                           ignore_eos=bool(obj.get("ignore_eos", False)), kind=kind, temperature=temperature)
     if "prompt" in obj:
         prompt = obj["prompt"]
         if not isinstance(prompt, str) or not prompt:
@@ -266,7 +276,8 @@ def parse_prompt_line(obj: Any, where: str, default_max_tokens: int) -> RequestS
         if endpoint not in ("chat", "completions"):
             raise WorkloadError(f"{where}: endpoint must be 'chat' or 'completions', got {endpoint!r}")
         return RequestSpec(index=0, endpoint=endpoint, max_tokens=max_tokens, input_tokens=_approx_tokens(prompt),
-                           prompt=prompt, ignore_eos=bool(obj.get("ignore_eos", False)), kind=kind)
+                           prompt=prompt, ignore_eos=bool(obj.get("ignore_eos", False)), kind=kind,
+                           temperature=temperature)
     raise WorkloadError(f"{where}: each line needs a 'prompt' string or a 'messages' list")
 
 
@@ -323,9 +334,12 @@ def from_spec(spec: Mapping[str, Any], base_dir: Path | None = None) -> Workload
         if sp is not None:
             if not isinstance(sp, Mapping) or "groups" not in sp or "prefix_tokens" not in sp:
                 raise WorkloadError("shared_prefix needs groups and prefix_tokens")
-            shared = SharedPrefix(groups=int(sp["groups"]), prefix_tokens=int(sp["prefix_tokens"]))
+            shared = SharedPrefix(groups=int(sp["groups"]), prefix_tokens=int(sp["prefix_tokens"]),
+                                  hot_share=float(sp.get("hot_share", 0.0)))
             if shared.groups < 1 or shared.prefix_tokens < 4:
                 raise WorkloadError("shared_prefix: groups >= 1 and prefix_tokens >= 4")
+            if not 0.0 <= shared.hot_share <= 1.0:
+                raise WorkloadError(f"shared_prefix.hot_share: {shared.hot_share} out of range [0, 1]")
         endpoint = spec.get("endpoint", "completions")
         if endpoint not in ("completions", "chat"):
             raise WorkloadError(f"endpoint must be 'completions' or 'chat', got {endpoint!r}")

@@ -148,7 +148,7 @@ class Fleet:
         t = cfg.timeouts
         for r in self.replicas:
             r.http = UpstreamPool(r.url, connect_timeout=t.connect_s, read_timeout=t.read_s,
-                                   header_timeout=t.first_byte_s)
+                                   header_timeout=t.first_byte_s, max_body_bytes=cfg.limits.max_upstream_body_bytes)
         self._task: asyncio.Task | None = None
 
     # -- reads --

@@ -23,7 +23,8 @@ from usefulwork.gateway.errors import GatewayError
 from usefulwork.gateway.pipeline import Call, Reply
 from usefulwork.gateway.sse import ResponsesSSE, SSEFilter
 from usefulwork.upstream.fleet import Fleet, Replica
-from usefulwork.upstream.http1 import ConnectFailed, Response, UpstreamClosed, UpstreamError, UpstreamTimeout
+from usefulwork.upstream.http1 import (ConnectFailed, Response, UpstreamClosed, UpstreamError, UpstreamTimeout,
+                                      UpstreamTooLarge)
 from usefulwork.upstream.pickers import Picker
 
 RETRY_STATUSES = frozenset({502, 503, 504})
@@ -66,6 +67,8 @@ class Forwarder:
                 lease.release()
                 last_error = type(exc).__name__
                 ctx.error = f"{replica.url}: {exc}"
+                if getattr(exc, "maybe_processed", False):  # http1 never re-sends a POST to the same replica
+                    ctx.error += " (the request had been sent whole: it may have been processed there)"
                 self.fleet.mark_down(replica, f"request failed: {type(exc).__name__}")
                 continue
             except UpstreamTimeout:
@@ -93,7 +96,8 @@ class Forwarder:
         if call.ctx.stream and resp.status == 200:
             flavour = ResponsesSSE if call.op == "responses" else SSEFilter
             reply = Reply(200, list(SSE_HEADERS))
-            reply.chunks = self._relay(call, replica, resp, flavour(keep_usage=call.ctx.include_usage), reply)
+            filt = flavour(keep_usage=call.ctx.include_usage, max_event_bytes=self.fleet.cfg.limits.max_sse_event_bytes)
+            reply.chunks = self._relay(call, replica, resp, filt, reply)
             reply.on_close(lease.release)
             reply.on_close(resp.close)  # back to the pool if complete; aborted (upstream cancels) if not
             return reply
@@ -101,6 +105,8 @@ class Forwarder:
             data = await resp.read()
         except UpstreamTimeout:
             raise GatewayError(504, "the model server timed out while answering", code="upstream_timeout") from None
+        except UpstreamTooLarge as exc:  # the answer, not the replica, is at fault: it stays in rotation
+            raise GatewayError(502, str(exc), code="upstream_too_large") from None
         except UpstreamError as exc:
             self.fleet.mark_down(replica, f"read failed: {type(exc).__name__}")
             raise GatewayError(502, "the model server failed while answering", code="upstream_error") from None
@@ -133,7 +139,7 @@ class Forwarder:
             if not filt.done:
                 raise UpstreamClosed("upstream closed the stream before it ended")
         except UpstreamError as exc:
-            if not isinstance(exc, UpstreamTimeout):
+            if not isinstance(exc, (UpstreamTimeout, UpstreamTooLarge)):
                 self.fleet.mark_down(replica, f"stream failed: {type(exc).__name__}")
             raise
         finally:

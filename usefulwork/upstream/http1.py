@@ -13,17 +13,29 @@ Semantics the proxy relies on:
   ``read_chunk`` (None at the end) or ``read`` (all);
 - ``close`` on an unfinished response aborts the connection, so the upstream server sees the
   disconnect and (vLLM) aborts the sequence at once; a finished keep-alive one goes back to the pool;
-- a reused idle connection that the server had closed is retried once on a fresh connection
-  (no response byte was received, so the server never processed the request).
+- ``read`` stops at ``max_body_bytes`` (``UpstreamTooLarge``): a huge answer fails that request only;
+- interim 1xx responses are skipped; a response with neither Content-Length nor chunking ends
+  when the server closes the connection (both valid HTTP/1.1);
+- a request is written at most once per call. A POST is not idempotent: when a reused connection
+  closes before any response byte, the server may have processed it, so it is NOT re-sent here;
+  ``UpstreamClosed.maybe_processed`` says so and the caller decides (another replica, recorded).
+  Idempotent methods are retried once on a fresh connection. Connections idle longer than
+  ``idle_s`` (below vLLM's/uvicorn's 5 s keep-alive) are not reused, so a server closing an idle
+  connection as we write to it is rare;
+- the Host header is ``host[:port]``: credentials in the URL never go upstream.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ssl
+import time
 from urllib.parse import urlsplit
 
 import httptools
+
+
+IDEMPOTENT = frozenset({b"GET", b"HEAD", b"OPTIONS", b"PUT", b"DELETE"})  # RFC 9110 9.2.2
 
 
 class UpstreamError(Exception):
@@ -39,14 +51,23 @@ class UpstreamTimeout(UpstreamError):
 
 
 class UpstreamClosed(UpstreamError):
-    """The connection ended (or the response was malformed) before the response completed."""
+    """The connection ended (or the response was malformed) before the response completed.
+
+    ``maybe_processed``: the whole request had been written, so the server may have acted on it.
+    """
+
+    maybe_processed = False
+
+
+class UpstreamTooLarge(UpstreamError):
+    """The upstream's answer (a non-streaming body, or one SSE event) exceeds the configured limit."""
 
 
 class Response:
     __slots__ = ("_conn", "status", "headers", "_chunks", "_waiter", "complete", "_exc", "_keep_alive",
-                 "_timeout", "got_bytes", "_headers_done", "_closed", "_buffered")
+                 "_timeout", "got_bytes", "_headers_done", "_closed", "_buffered", "max_body", "until_close")
 
-    def __init__(self, conn: "_Conn", timeout: float):
+    def __init__(self, conn: "_Conn", timeout: float, max_body: int = 1 << 62):
         self._conn = conn
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
@@ -60,6 +81,8 @@ class Response:
         self.got_bytes = False
         self._headers_done = False
         self._closed = False
+        self.max_body = max_body
+        self.until_close = False  # no Content-Length, not chunked: the body ends at connection close
 
     # -- fed by the protocol --
     def _wake(self) -> None:
@@ -121,8 +144,17 @@ class Response:
             await self._wait()
 
     async def read(self) -> bytes:
+        """The whole body; ``UpstreamTooLarge`` (nothing more read) once it exceeds ``max_body``."""
+        limit = self.max_body
+        declared = self.header(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise UpstreamTooLarge(f"upstream answer declares {int(declared)} bytes; the limit is {limit}")
         parts = []
+        size = 0
         while (chunk := await self.read_chunk()) is not None:
+            size += len(chunk)
+            if size > limit:
+                raise UpstreamTooLarge(f"upstream answer exceeds the limit of {limit} bytes")
             parts.append(chunk)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
@@ -146,7 +178,7 @@ class Response:
 
 
 class _Conn(asyncio.Protocol):
-    __slots__ = ("pool", "transport", "parser", "closed", "resp", "_paused")
+    __slots__ = ("pool", "transport", "parser", "closed", "resp", "_paused", "_interim", "idle_since")
 
     def __init__(self, pool: "UpstreamPool"):
         self.pool = pool
@@ -155,6 +187,8 @@ class _Conn(asyncio.Protocol):
         self.closed = False
         self.resp: Response | None = None
         self._paused = False
+        self._interim = False  # parsing a 1xx interim response (skipped)
+        self.idle_since = 0.0
 
     # asyncio.Protocol
     def connection_made(self, transport) -> None:
@@ -174,8 +208,12 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self.closed = True
-        if self.resp is not None:
-            self.resp._fail(UpstreamClosed("upstream closed the connection" + (f": {exc}" if exc else "")))
+        resp = self.resp
+        if resp is not None:
+            if resp.until_close and exc is None and not self._interim:
+                resp._finish(False)  # a close-delimited body ends here
+            else:
+                resp._fail(UpstreamClosed("upstream closed the connection" + (f": {exc}" if exc else "")))
         self.pool._discard(self)
 
     # httptools callbacks
@@ -184,14 +222,25 @@ class _Conn(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         resp = self.resp
-        resp.status = self.parser.get_status_code()
+        status = self.parser.get_status_code()
+        if 100 <= status < 200 and status != 101:  # interim (100 Continue, 103 Early Hints): skip it
+            self._interim = True
+            resp.headers.clear()
+            return
+        resp.status = status
         resp._headers_done = True
+        if status not in (204, 304) and resp.header(b"content-length") is None:
+            te = resp.header(b"transfer-encoding")
+            resp.until_close = te is None or b"chunked" not in te.lower()
         resp._wake()
 
     def on_body(self, body: bytes) -> None:
         self.resp._push(body)
 
     def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
         self.resp._finish(self.parser.should_keep_alive())
 
     # flow control / teardown
@@ -215,17 +264,21 @@ class UpstreamPool:
     """Keep-alive connections to one upstream base URL (``http://host:port`` or ``https://``)."""
 
     def __init__(self, base_url: str, connect_timeout: float = 5.0, read_timeout: float = 600.0,
-                 header_timeout: float = 600.0, max_idle: int = 1024):
+                 header_timeout: float = 600.0, max_idle: int = 1024, max_body_bytes: int = 64 << 20,
+                 idle_s: float = 4.0):
         u = urlsplit(base_url)
         self.host = u.hostname or "127.0.0.1"
         self.tls = u.scheme == "https"
         self.port = u.port or (443 if self.tls else 80)
         self.prefix = u.path.rstrip("/")
-        self.host_header = (u.netloc or self.host).encode()
+        host = f"[{self.host}]" if ":" in self.host else self.host  # never user:password@
+        self.host_header = (host if u.port is None else f"{host}:{u.port}").encode()
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self.header_timeout = header_timeout
         self.max_idle = max_idle
+        self.max_body_bytes = max_body_bytes
+        self.idle_s = idle_s
         self._idle: list[_Conn] = []
         self._all: set[_Conn] = set()
         self._ssl = ssl.create_default_context() if self.tls else None
@@ -244,6 +297,7 @@ class UpstreamPool:
 
     def _release(self, conn: _Conn) -> None:
         if len(self._idle) < self.max_idle:
+            conn.idle_since = time.monotonic()
             self._idle.append(conn)
         else:
             conn.abort()
@@ -255,27 +309,31 @@ class UpstreamPool:
         """Send a request; return once the response headers arrived. ``headers``: raw header lines."""
         data = b"".join((method, b" ", self.prefix.encode(), path, b" HTTP/1.1\r\nhost: ", self.host_header,
                          b"\r\ncontent-length: ", str(len(body)).encode(), b"\r\n", headers, b"\r\n", body))
+        idempotent = method in IDEMPOTENT
         for attempt in (0, 1):
             conn = None
+            fresh_after = time.monotonic() - self.idle_s
             while self._idle:
                 c = self._idle.pop()
-                if not c.closed:
+                if not c.closed and c.idle_since >= fresh_after:
                     conn = c
                     break
+                c.abort()  # closed, or idle so long the server may be closing it right now
             reused = conn is not None
             if conn is None:
                 conn = await self._connect()
-            resp = Response(conn, self.header_timeout)
+            resp = Response(conn, self.header_timeout, self.max_body_bytes)
             conn.resp = resp
             conn.transport.write(data)
             try:
                 await resp.wait_headers()
                 resp._timeout = self.read_timeout
                 return resp
-            except UpstreamClosed:
+            except UpstreamClosed as exc:
                 resp.close()
-                if reused and attempt == 0 and not resp.got_bytes:
-                    continue  # a stale keep-alive connection: the server never saw the request
+                if reused and attempt == 0 and not resp.got_bytes and idempotent:
+                    continue  # a stale keep-alive connection: safe to send again
+                exc.maybe_processed = True  # written whole: the server may have acted on it
                 raise
             except BaseException:
                 resp.close()  # timeout or cancellation: abort so the upstream stops working on it

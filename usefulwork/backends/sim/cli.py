@@ -24,7 +24,7 @@ from usefulwork.backends.sim.catalog import ENGINE_FLAGS, SpecError, build_spec,
 DEFAULTS: dict[str, Any] = {"precision": "bf16", "tp": 1, "profile": "optimized-batched", "port": 18000,
                             "time_scale": 1.0, "seed": 0, "eos_median_tokens": 256, "host": "127.0.0.1"}
 SETTINGS = ("gpu", "model", "precision", "tp", "profile", "served_model_name", "host", "port", "time_scale", "seed",
-            "eos_median_tokens", "tokenizer")
+            "eos_median_tokens", "tokenizer", "kv_events_config")
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -48,6 +48,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="YAML file with any of these settings (command line wins)")
     parser.add_argument("--tokenizer", default=None,
                         help="tokenizer folder (default: the converted SmolLM2 folder); 'approx' for ~4 bytes/token")
+    parser.add_argument("--kv-events-config", default=None,
+                        help="vLLM's KV-cache event publisher config (JSON), e.g. "
+                        "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\"}'")
     parser.add_argument("--print-spec", action="store_true", help="print the resolved spec as JSON and exit")
     group = parser.add_argument_group("vLLM engine flags (override the profile)")
     for flag, typ in ENGINE_FLAGS.items():
@@ -99,7 +102,12 @@ def run(args: argparse.Namespace) -> int:
     from usefulwork.backends.sim.server import build_server
 
     served = args.served_model_name or spec.model.name
-    app = build_server(spec, served, time_scale=args.time_scale, seed=args.seed, tokenizer=args.tokenizer)
+    try:
+        app = build_server(spec, served, time_scale=args.time_scale, seed=args.seed, tokenizer=args.tokenizer,
+                           kv_events_config=args.kv_events_config)
+    except ValueError as exc:
+        print(f"usefulwork sim: {exc}", file=sys.stderr)
+        return 2
     d = spec.describe()
     print(
         f"usefulwork sim: {d['gpu']} x{d['tp']} {d['model']} {d['precision']} profile={d['profile']} "

@@ -21,7 +21,7 @@ import itertools
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 from usefulwork.backends.sim.catalog import SimSpec
 from usefulwork.backends.sim.kvcache import KVCacheManager, extend_block_hashes
@@ -104,11 +104,15 @@ class EngineStats:
 
 
 class SimEngine:
-    def __init__(self, spec: SimSpec, seed: int = 0, output_token_ids: Sequence[int] | None = None):
+    def __init__(self, spec: SimSpec, seed: int = 0, output_token_ids: Sequence[int] | None = None,
+                 kv_events: Any = None):
         self.spec = spec
         self.seed = seed
         self.now = 0.0  # simulated seconds
-        self.kv = KVCacheManager(spec.num_gpu_blocks, spec.block_size, spec.flags.enable_prefix_caching)
+        # kv_events: a publisher (sim/kv_events.py) of the KV cache's vLLM-shaped events, after each step
+        self.kv_events = kv_events
+        self.kv = KVCacheManager(spec.num_gpu_blocks, spec.block_size, spec.flags.enable_prefix_caching,
+                                 events=kv_events is not None)
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=spec.flags.max_num_seqs,
@@ -250,6 +254,8 @@ class SimEngine:
                 self._finish(req, now)
             if req.sink is not None:
                 req.sink.on_tokens(req, [tok], finished)
+        if self.kv_events is not None and self.kv.events:
+            self.kv_events.publish(self.kv.take_events(), now)
 
     def _finish(self, req: SimRequest, now: float) -> None:
         req.finish_reason = "length" if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.spec.max_model_len else "stop"

@@ -8,6 +8,9 @@
   A request's blocks are freed in reverse so that its tail blocks are evicted first (as vLLM does).
 - Prefix lookups never return the block holding the prompt's last token: vLLM must recompute the
   last prompt token to get logits, so at most ``(len - 1) // block_size`` blocks hit.
+- With ``events`` on, it records vLLM's KV-cache events (``BlockStored`` when blocks become
+  cacheable, ``BlockRemoved`` on eviction, ``AllBlocksCleared`` on reset) as plain dicts shaped like
+  vLLM's msgspec structs; ``take_events`` drains them (the server publishes them, ``sim/kv_events.py``).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ def extend_block_hashes(req: CacheUser, block_size: int) -> None:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, events: bool = False):
         if num_blocks < 1:
             raise ValueError("num_blocks must be >= 1")
         self.num_blocks = num_blocks
@@ -46,6 +49,11 @@ class KVCacheManager:
         self.block_hash: list[int | None] = [None] * num_blocks
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))  # head = LRU
+        self.events: list[dict] | None = [] if events else None
+
+    def take_events(self) -> list[dict]:
+        out, self.events = self.events or [], ([] if self.events is not None else None)
+        return out
 
     # -- reads --
     @property
@@ -93,6 +101,8 @@ class KVCacheManager:
             if h is not None:  # evict: its content is overwritten now
                 if self.cached.get(h) == b:
                     del self.cached[h]
+                    if self.events is not None:
+                        self.events.append({"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU"})
                 self.block_hash[b] = None
             self.ref[b] = 1
             req.blocks.append(b)
@@ -103,12 +113,21 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         full = min(num_computed_tokens // self.block_size, len(req.block_hashes), len(req.blocks))
+        stored: list[int] = []
         for i in range(req.num_cached_blocks, full):
             h = req.block_hashes[i]
             b = req.blocks[i]
             if h not in self.cached:
                 self.cached[h] = b
                 self.block_hash[b] = h
+            stored.append(h)
+        if stored and self.events is not None:  # as vLLM: every newly full block of the request
+            first = req.num_cached_blocks
+            bs = self.block_size
+            self.events.append({"type": "BlockStored", "block_hashes": stored,
+                                "parent_block_hash": req.block_hashes[first - 1] if first else None,
+                                "token_ids": list(req.token_ids[first * bs:full * bs]), "block_size": bs,
+                                "lora_id": None, "medium": "GPU", "lora_name": None})
         if full > req.num_cached_blocks:
             req.num_cached_blocks = full
 
@@ -121,6 +140,8 @@ class KVCacheManager:
         req.num_cached_blocks = 0
 
     def reset_prefix_cache(self) -> None:
+        if self.events is not None:
+            self.events.append({"type": "AllBlocksCleared"})
         for b in list(self.free):
             h = self.block_hash[b]
             if h is not None:

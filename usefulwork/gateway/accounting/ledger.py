@@ -82,8 +82,12 @@ def to_record(ctx: RequestContext, work: float) -> dict:
         "replica": ctx.replica,
         "route": ctx.route,
         "route_reason": ctx.route_reason,
+        "escalated": ctx.escalated,
+        "discarded_tokens": ctx.discarded_tokens,
+        "discarded_cost_usd": ctx.discarded_cost_usd,
         "attempts": ctx.attempts,
         "cache": ctx.cache,
+        "saved_usd": ctx.saved_usd,
         "priority": ctx.priority,
         "admission": ctx.admission,
         "queue_ms": _r(ctx.queue_ms),
@@ -214,7 +218,8 @@ class Ledger:
         while self._queue:
             batch.append(self._queue.popleft())
         if batch:
-            need = [c for c in batch if c.usage_source == "none" and (c.replica is not None or c.streamed_events)]
+            need = [c for c in batch if c.usage_source == "none" and not c.cache.startswith("hit")
+                    and (c.replica is not None or c.streamed_events)]
             if need:
                 try:
                     await asyncio.to_thread(self._estimate, need)

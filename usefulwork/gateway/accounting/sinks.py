@@ -3,12 +3,14 @@
 One small interface (``write(batch)``, ``close()``), several implementations, as httpx does with
 transports. The accountant calls ``write`` with a batch of already-encoded records (orjson bytes,
 one JSON object each) from its background task, never from a request. A sink that fails keeps
-its batch and the accountant retries it at the next flush (bounded, see ``Accountant``).
+its batch and the ledger retries it at the next flush (bounded, see ``Ledger``); a retry never
+adds a record twice (``RedisStreamSink``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 from pathlib import Path
 from typing import Protocol
@@ -50,8 +52,31 @@ class JsonlSink:
             self._fd = -1
 
 
+# Add each record once: its digest is its idempotency key, remembered for DEDUPE_TTL_S. Runs
+# atomically, so a chunk whose answer was lost either landed whole (a retry adds nothing) or not.
+_ADD_ONCE = """
+local added = 0
+for i = 2, #ARGV, 2 do
+  if redis.call('SET', KEYS[1] .. ':seen:' .. ARGV[i], '1', 'NX', 'EX', ARGV[1]) then
+    redis.call('XADD', KEYS[1], '*', 'record', ARGV[i + 1])
+    added = added + 1
+  end
+end
+return added
+"""
+DEDUPE_TTL_S = 86_400  # a record retried within a day of its first try is never added twice
+CHUNK = 500  # records per script call (one round trip each)
+
+
 class RedisStreamSink:
-    """XADDs each record (field ``record``: the JSON bytes) to a stream, one pipeline per batch."""
+    """XADDs each record (field ``record``: the JSON bytes) to a stream, exactly once.
+
+    Writes are idempotent, not blindly retried: a record's key is the BLAKE2b digest of its bytes
+    (records carry a unique id and timestamp), kept as ``<stream>:seen:<digest>`` for
+    ``DEDUPE_TTL_S``; a server-side script adds only records whose key is new. So a retry after a
+    write whose answer was lost (timeout, dropped connection, redis-py's own reconnect retry) adds
+    nothing twice. Cost: one small key per record for a day.
+    """
 
     name = "redis"
 
@@ -60,14 +85,15 @@ class RedisStreamSink:
 
         self.stream = stream
         self.client = aioredis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+        self._add_once = self.client.register_script(_ADD_ONCE)
 
     async def write(self, batch: list[bytes]) -> None:
-        if not batch:
-            return
-        pipe = self.client.pipeline(transaction=False)
-        for rec in batch:
-            pipe.xadd(self.stream, {"record": rec})
-        await pipe.execute()
+        for i in range(0, len(batch), CHUNK):
+            args: list[bytes | int] = [DEDUPE_TTL_S]
+            for rec in batch[i:i + CHUNK]:
+                args.append(hashlib.blake2b(rec, digest_size=16).hexdigest().encode())
+                args.append(rec)
+            await self._add_once(keys=[self.stream], args=args)
 
     async def close(self) -> None:
         await self.client.aclose()

@@ -3,12 +3,13 @@
 The limit is a number of requests in flight per pool, adapted like a congestion window (AIMD):
 
 - each admitted request that ends is a sample of the pool's service: TTFT (sent upstream -> first
-  token), TPOT and E2E without the gateway's queue wait;
-- while samples stay under ``target_fraction`` of the SLO and the replicas are not saturated, the
+  token), TPOT and E2E without the gateway's queue wait, kept as running means;
+- while the means stay under ``target_fraction`` of the SLO and the replicas are not saturated, the
   limit grows (by one per sample until the first overload, "slow start"; then by one per limit's
   worth of samples);
-- a sample over target, or a replica reporting queued requests (``vllm:num_requests_waiting``) or a
-  KV cache over ``kv_high``, shrinks it by 10%, at most once per service time;
+- a sample over target shrinks it by 10%, at most once per service time; a replica queueing more
+  than a quarter of its running requests inside vLLM (``vllm:num_requests_waiting``) or a KV cache
+  over ``kv_high`` holds it (no growth);
 - the replicas' KV-cache size (``vllm:cache_config_info`` blocks x block size) caps it at the
   number of sequences of the measured length that fit; ``max_concurrency`` may cap it further.
 
@@ -63,9 +64,12 @@ class Capacity:
 
     # -- reads --
     def saturated(self) -> bool:
-        """A replica is queueing inside vLLM, or its KV cache is nearly full."""
-        return any(getattr(r, "waiting", 0.0) > 0 or getattr(r, "kv_usage", 0.0) > self.cfg.kv_high
-                   for r in self.replicas())
+        """A replica queues a real share of its work inside vLLM, or its KV cache is nearly full.
+
+        A few waiting requests at a scrape are normal under load (new arrivals wait one engine step
+        for a chunked prefill), so they only stop growth when they exceed a quarter of the running."""
+        return any(getattr(r, "waiting", 0.0) > max(1.0, 0.25 * getattr(r, "running", 0.0))
+                   or getattr(r, "kv_usage", 0.0) > self.cfg.kv_high for r in self.replicas())
 
     def kv_cap(self) -> float | None:
         """Sequences of the measured mean length that fit in the pool's KV caches (None: unknown)."""
@@ -117,15 +121,19 @@ class Capacity:
             self.svc_ttft = _ewma(self.svc_ttft, s.ttft)
         if s.tpot is not None:
             self.tpot = _ewma(self.tpot, s.tpot)
-        over = ((s.ttft is not None and s.ttft > self.ttft_target)
-                or (s.tpot is not None and s.tpot > self.tpot_target)
-                or s.service > self.e2e_target)
-        if over or self.saturated():
+        # Judged on the running means, not one sample: a single slow answer (a host hiccup) must not
+        # cut the limit that many good ones built.
+        over = ((self.svc_ttft is not None and self.svc_ttft > self.ttft_target)
+                or (self.tpot is not None and self.tpot > self.tpot_target)
+                or self.service > self.e2e_target)
+        if over:
             if now - self.last_decrease >= (self.service or 0.0):
                 self.limit = max(float(self.cfg.min_concurrency), self.limit * 0.9)
                 self.last_decrease = now
                 self.slow_start = False
                 self.decreases += 1
+            return
+        if self.saturated():  # the replicas say "full" before the SLO does: hold, do not grow
             return
         if s.inflight_at_admit + 1 >= int(self.limit):  # only a limit that was reached has been tested
             self.limit += 1.0 if self.slow_start else 1.0 / self.limit

@@ -20,8 +20,9 @@ class AdmissionCfg(BaseModel):
     initial_concurrency: int = Field(8, ge=1, description="Requests in flight per healthy replica before any measurement.")
     max_concurrency: int | None = Field(None, ge=1, description="Optional cap on requests in flight per pool (None: measured only).")
     min_concurrency: int = Field(1, ge=1, description="The adaptive limit never goes below this per pool.")
-    target_fraction: float = Field(0.8, gt=0, le=1, description="The limit grows while admitted requests' service "
-                                   "TTFT, TPOT and E2E stay under this fraction of the SLO, and shrinks when not.")
+    target_fraction: float = Field(0.7, gt=0, le=1, description="The limit grows while the running means of admitted "
+                                   "requests' service TTFT, TPOT and E2E stay under this fraction of the SLO, and "
+                                   "shrinks when not (means: the tail needs the rest of the SLO).")
     kv_high: float = Field(0.95, gt=0, le=1, description="KV-cache usage above which a pool is saturated (no growth).")
     reserve_fraction: float = Field(0.1, ge=0, lt=1, description="Share of the limit that only interactive work may use "
                                     "(so an interactive request rarely waits behind batch work).")

@@ -286,8 +286,10 @@ class AdmissionFilter:
         sample = None
         if t.admitted_at is not None:
             ttft = None if ctx.t_first_token is None else max(0.0, ctx.t_first_token - t.admitted_at)
-            tpot = ctx.tpot_ms
-            sample = Sample(ttft=ttft, tpot=None if tpot is None else tpot / 1000.0, service=now - t.admitted_at,
+            # (ctx.t_end is set after the closers run: TPOT from now)
+            n = ctx.completion_tokens
+            tpot = (now - ctx.t_first_token) / (n - 1) if ctx.t_first_token is not None and n > 1 else None
+            sample = Sample(ttft=ttft, tpot=tpot, service=now - t.admitted_at,
                             # (the endpoint classifies the outcome after closing: read the status)
                             tokens=ctx.prompt_tokens + ctx.completion_tokens,
                             ok=ok and ctx.status_code < 400 and ctx.t_first_token is not None,

@@ -18,8 +18,9 @@ Decision at arrival (``offer``):
 including the retries already promised a time, has drained; its tenant holds that place until then
 (plus ``RESERVATION_GRACE_S``), found again by ``Ticket.key`` (a hash of tenant and body: a retry
 sends the same body). New arrivals count the reservations that fall due within their own budget as
-work ahead, so a client that honours Retry-After finds its room; one that never returns releases
-the place after the grace.
+work ahead, weighted by the share of places that were taken back lately (``return_rate``): a held
+place of a client that honours Retry-After is kept free for it, while clients that never come back
+(most load generators, many batch jobs) do not block capacity with places nobody will use.
 
 The predicted wait is (work ahead of it in dispatch order, less free slots) / drain rate. A queued
 request whose deadline passes anyway (new higher-class work overtook it) is shed by ``expire`` at
@@ -40,6 +41,7 @@ from usefulwork.gateway.tenants import PRIORITIES
 
 DecisionKind = Literal["admit", "queue", "shed"]
 RESERVATION_GRACE_S = 2.0  # how long past its Retry-After a shed request's place is kept
+RETURN_EWMA = 0.05  # weight of one ended reservation in the return rate
 State = Literal["new", "queued", "admitted", "released", "shed", "cancelled"]
 
 
@@ -92,6 +94,7 @@ class PoolQueue:
     reservations: list[tuple[float, int]] = field(default_factory=list)  # (retry time, ticket key), sorted
     _held: dict[int, float] = field(default_factory=dict)  # ticket key -> its reserved time
     retries_honoured: int = 0
+    return_rate: float = 0.0  # EWMA over ended reservations: 1 taken back, 0 expired unused
 
     # -- the decision --
     def limit_for(self, cls: int) -> int:
@@ -135,7 +138,7 @@ class PoolQueue:
         budget = self.budget(t, now)
         # A returning request is behind only the places promised before its own; a new one is behind
         # every place that falls due within its budget.
-        reserved = self._reserved_until(held if held is not None else now + max(0.0, budget))
+        reserved = round(self.return_rate * self._reserved_until(held if held is not None else now + max(0.0, budget)))
         wait = self.predict_wait(t, reserved)
         if wait == 0.0 and self.ahead_of(t) == 0:
             self._admit(t, now)
@@ -160,7 +163,7 @@ class PoolQueue:
         if rate:
             free = self.limit_for(t.cls) - self.inflight
             # + 2 dispatch intervals of margin: a retry told the exact boundary would miss half the time.
-            behind_all = self.ahead_of(t) + len(self.reservations) + 4 - max(0, free)
+            behind_all = self.ahead_of(t) + round(self.return_rate * len(self.reservations)) + 4 - max(0, free)
             retry = max(0.0, behind_all / rate - full_budget)
         else:
             retry = 1.0
@@ -175,6 +178,7 @@ class PoolQueue:
         i = 0
         while i < len(r) and r[i][0] + RESERVATION_GRACE_S < now:
             self._held.pop(r[i][1], None)
+            self.return_rate *= 1.0 - RETURN_EWMA  # expired: nobody came back for it
             i += 1
         if i:
             del r[:i]
@@ -194,6 +198,7 @@ class PoolQueue:
             return None
         self.reservations.remove((at, key))
         self.retries_honoured += 1
+        self.return_rate += RETURN_EWMA * (1.0 - self.return_rate)
         return at
 
     def _reserved_until(self, until: float) -> int:
@@ -316,6 +321,7 @@ class PoolQueue:
     def stats(self) -> dict[str, Any]:
         return {"inflight": self.inflight, "queued": self.depth(), "admitted": self.admitted_total,
                 "retry_reservations": len(self.reservations), "retries_honoured": self.retries_honoured,
+                "retry_return_rate": round(self.return_rate, 3),
                 "shed": dict(self.shed_total), "capacity": self.capacity.stats(),
                 "fair_share_tokens": {k: round(v, 1) for k, v in self.counters.items()}}
 

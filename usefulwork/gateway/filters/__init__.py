@@ -17,7 +17,10 @@ if TYPE_CHECKING:
 
 FILTERS: dict[str, str] = {
     "noop": "usefulwork.gateway.filters.noop:NoopFilter",
+    "cache": "usefulwork.caches.filter:CacheFilter",
+    "router": "usefulwork.gateway.filters.router:RouterFilter",
     "admission": "usefulwork.gateway.admission.filter:AdmissionFilter",
+    "record": "usefulwork.gateway.recording:RecordFilter",
 }
 
 

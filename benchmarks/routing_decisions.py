@@ -1,0 +1,141 @@
+"""Decision time of the cascade routers and the prefix picker (issue 11 targets).
+
+    python benchmarks/routing_decisions.py [--json FILE]
+
+- heuristic: ``HeuristicRouter.decide_body`` on the project's labeled prompts (target p99 <= 50 us);
+- classifier: a 200-token prompt embedded with all-MiniLM-L6-v2 (one request at a time, through the
+  async batched embedder as the request path does) plus the head (target p99 <= 15 ms);
+- prefix picker: ``PrefixPicker.pick`` over 16 replicas whose indexes hold many long prefixes
+  (target p99 <= 100 us for scoring); prompt hashing is reported separately (characters mode and
+  tokens mode) because it is per request, not per replica.
+
+Times are wall-clock per call on this machine; it is shared, so p99 carries other tenants' noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import random
+import time
+from importlib import resources
+
+import numpy as np
+
+from usefulwork.gateway.context import RequestContext
+from usefulwork.gateway.pipeline import Call
+from usefulwork.routers.config import HeuristicCfg, PickerCfg
+from usefulwork.routers.heuristic import HeuristicRouter
+from usefulwork.routers.labeled import read_labeled
+from usefulwork.upstream.fleet import Replica
+from usefulwork.upstream.pickers import PrefixPicker
+
+LABELED = str(resources.files("usefulwork.routers").joinpath("data/labeled_prompts.jsonl"))
+
+
+def pct(samples_ns: list[int]) -> dict[str, float]:
+    a = np.asarray(samples_ns, dtype=np.float64) / 1000.0
+    return {"n": len(a), "p50_us": round(float(np.percentile(a, 50)), 2), "p99_us": round(float(np.percentile(a, 99)), 2),
+            "max_us": round(float(a.max()), 2)}
+
+
+def bench_heuristic(n: int = 20000) -> dict:
+    r = HeuristicRouter(HeuristicCfg())
+    bodies = [e.body for e in read_labeled(LABELED)]
+    out = []
+    for i in range(n):
+        b = bodies[i % len(bodies)]
+        t = time.perf_counter_ns()
+        r.decide_body(b)
+        out.append(time.perf_counter_ns() - t)
+    return pct(out[1000:])
+
+
+def prompt_200_tokens(rng: random.Random) -> str:
+    words = "the service returns an error when the cache is cold and the request carries a large payload".split()
+    return " ".join(rng.choice(words) for _ in range(185)) + " Explain why and propose a fix?"
+
+
+def bench_classifier(n: int = 300) -> dict:
+    from usefulwork.embedding import Embedder
+    from usefulwork.routers.classifier import ClassifierRouter, Head
+
+    emb = Embedder()
+    emb.load()
+    router = ClassifierRouter(Head.load(), embedder=emb)
+    rng = random.Random(0)
+    tok = emb.load().tokenizer
+    text = prompt_200_tokens(rng)
+    n_tokens = len(tok(text)["input_ids"])
+
+    async def run() -> list[int]:
+        out = []
+        for i in range(n + 20):
+            body = {"messages": [{"role": "user", "content": prompt_200_tokens(rng)}]}
+            c = Call(RequestContext(id="b", endpoint="chat", model="auto", stream=False), "chat", b"", body, None, None, [])
+            t = time.perf_counter_ns()
+            await router.decide(c)
+            out.append(time.perf_counter_ns() - t)
+        return out[20:]
+
+    res = pct(asyncio.run(run()))
+    res["prompt_tokens"] = n_tokens
+    return res
+
+
+def bench_prefix(n: int = 20000, replicas: int = 16) -> dict:
+    rng = random.Random(0)
+    rs = [Replica(f"http://r{i}", "p", healthy=True, running=rng.randint(0, 30), waiting=rng.randint(0, 5),
+                  kv_usage=rng.random()) for i in range(replicas)]
+    p = PrefixPicker(PickerCfg(kind="prefix"))
+    groups = [f"System prompt of group {g}. " + " ".join(f"instruction {g}-{k}" for k in range(300)) for g in range(200)]
+
+    def call(i: int) -> Call:
+        g = groups[i % len(groups)]
+        body = {"messages": [{"role": "system", "content": g}, {"role": "user", "content": f"question {i}"}]}
+        return Call(RequestContext(id="b", endpoint="chat", model="m", stream=False), "chat", b"", body, None, None, [])
+
+    for i in range(4000):  # warm the indexes: every replica holds many prefixes
+        p.pick(call(i), rs)
+    hash_ns, score_ns, pick_ns = [], [], []
+    calls = [call(i) for i in range(n)]
+    for c in calls:
+        t = time.perf_counter_ns()
+        h = p.hashes(c)
+        hash_ns.append(time.perf_counter_ns() - t)
+        t = time.perf_counter_ns()
+        p.scores(h, rs)
+        score_ns.append(time.perf_counter_ns() - t)
+        t = time.perf_counter_ns()
+        p.pick(c, rs)
+        pick_ns.append(time.perf_counter_ns() - t)
+    from usefulwork.backends.sim.tokens import load_tokenizer
+    tp = PrefixPicker(PickerCfg(kind="prefix"), tokenizer=load_tokenizer(None))
+    tok_ns = []
+    for c in [call(i) for i in range(300)]:
+        t = time.perf_counter_ns()
+        tp.hashes(c)
+        tok_ns.append(time.perf_counter_ns() - t)
+    blocks = len(p.hashes(calls[0]))
+    return {"replicas": replicas, "prompt_chars": len(groups[0]), "blocks": blocks,
+            "score_16_replicas": pct(score_ns), "pick_incl_index_update": pct(pick_ns),
+            "hash_chars_mode": pct(hash_ns), "hash_tokens_mode": pct(tok_ns)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    res = {"machine": f"{platform.machine()} {platform.processor() or ''} (shared 2-core VM)".strip(),
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "heuristic": bench_heuristic(), "prefix": bench_prefix(), "classifier": bench_classifier()}
+    print(json.dumps(res, indent=1))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(res, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""Two real gateway processes share real Redis in front of real vLLM; the real openai SDK reads hits."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import httpx
+import openai
+import pytest
+import redis
+
+from tests.e2e.conftest import pool_cfg, start_gateway
+
+pytestmark = pytest.mark.slow
+
+QUESTION = "What is the capital of France? Answer in one word."
+
+
+@pytest.fixture
+def pair(vllm_server, redis_url, tmp_path):
+    ns = f"uwtest:{os.urandom(4).hex()}"
+    gws = []
+    for name in ("a", "b"):
+        cfg = pool_cfg(vllm_server.model, [vllm_server.base_url], filters=["cache"],
+                       cache={"redis_url": redis_url, "namespace": ns},
+                       ledger={"jsonl_path": str(tmp_path / f"ledger-{name}.jsonl"), "flush_interval_s": 0.1})
+        cfg["pools"][0]["prices"] = {"input_per_1m": 1.0, "output_per_1m": 2.0}
+        gws.append(start_gateway(tmp_path, cfg))
+    yield gws
+    for gw in gws:
+        gw.stop()
+    r = redis.Redis.from_url(redis_url)
+    keys = list(r.scan_iter(match=ns + ":*"))  # test cleanup only
+    if keys:
+        r.delete(*keys)
+
+
+def cache_stats(gw) -> dict:
+    return httpx.get(gw.url + "/usefulwork/stats", timeout=5).json()["filters"]["cache"]
+
+
+def test_an_answer_cached_through_one_gateway_is_served_by_the_other(pair, vllm_server):
+    a, b = pair
+    ca, cb = (openai.OpenAI(base_url=gw.v1, api_key="unused", max_retries=0) for gw in pair)
+    ask = {"model": vllm_server.model, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 12,
+           "temperature": 0}
+    first = ca.chat.completions.with_raw_response.create(**ask)
+    assert first.headers["x-usefulwork-cache"] == "miss"
+    answer = first.parse().choices[0].message.content
+    deadline = time.monotonic() + 30
+    while cache_stats(a)["stored"] < 1:  # the store happens after the reply, off the request path
+        assert time.monotonic() < deadline, cache_stats(a)
+        time.sleep(0.1)
+    hit = cb.chat.completions.with_raw_response.create(**ask)
+    assert hit.headers["x-usefulwork-cache"] == "hit-exact"
+    parsed = hit.parse()
+    assert parsed.choices[0].message.content == answer and parsed.usage.completion_tokens > 0
+    # a streaming hit, read by the real SDK, with usage as asked
+    with cb.chat.completions.with_streaming_response.create(**ask, stream=True,
+                                                            stream_options={"include_usage": True}) as resp:
+        assert resp.headers["x-usefulwork-cache"] == "hit-exact"
+        chunks = list(resp.parse())
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == answer
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == parsed.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == parsed.choices[0].finish_reason
+    # another tenant's words never hit: here, another conversation (no keys: one tenant)
+    other = cb.chat.completions.with_raw_response.create(**{**ask, "max_tokens": 11})
+    assert other.headers["x-usefulwork-cache"] == "miss"
+    # hits are in B's ledger: served from cache, zero GPU tokens, the cost they saved
+    deadline = time.monotonic() + 30
+    while True:
+        path = b.config_path.parent / "ledger-b.jsonl"
+        recs = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        hits = [r for r in recs if r["cache"] == "hit-exact"]
+        if len(hits) == 2:
+            break
+        assert time.monotonic() < deadline, recs
+        time.sleep(0.2)
+    for r in hits:
+        assert r["prompt_tokens"] == 0 and r["completion_tokens"] == 0 and r["outcome"] == "ok"
+        assert r["saved_usd"] > 0 and r["cost_usd"] == 0
+    st = cache_stats(b)
+    assert st["requests"]["hit-exact"] == 2 and st["hit_share"] > 0 and st["saved_usd"] > 0
+
+
+def test_bad_cache_control_is_a_400_before_anything_is_forwarded(pair, vllm_server):
+    a, _ = pair
+    r = httpx.post(a.v1 + "/chat/completions", headers={"cache-control": "no-cache;;"},
+                   json={"model": vllm_server.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                         "temperature": 0}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache-control"
+    r = httpx.post(a.url + "/usefulwork/cache/purge", json={"tenant": "default"}, timeout=10)
+    assert r.status_code == 403  # no admin key configured: purging is refused

@@ -1,0 +1,133 @@
+"""The Redis store against real Redis: two cache filters (two gateway replicas) share one Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import redis
+
+from usefulwork.caches.config import CacheCfg, SemanticCfg
+from usefulwork.caches.filter import CacheFilter
+from usefulwork.caches.redis_store import RedisStore
+from tests.conftest import free_port
+
+from .helpers import FakeUpstream, drive, make_call
+
+
+@pytest.fixture
+def ns(redis_url):
+    name = f"uwtest:{os.urandom(4).hex()}"
+    yield name
+    r = redis.Redis.from_url(redis_url)
+    keys = list(r.scan_iter(match=name + ":*"))  # test cleanup only; the store itself never scans
+    if keys:
+        r.delete(*keys)
+
+
+def cfg(redis_url, ns, **kw):
+    semantic = kw.pop("semantic", SemanticCfg())
+    kw.setdefault("redis_timeout_s", 2.0)  # the shared test machine can be very loaded
+    return CacheCfg(redis_url=redis_url, namespace=ns, semantic=semantic, **kw)
+
+
+async def ask(f, up, call):
+    reply, body = await drive(lambda c: f(c, up), call)
+    await f.drain()
+    return reply, body
+
+
+async def wait_for(pred, timeout=5.0):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not pred():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not reached")
+        await asyncio.sleep(0.02)
+
+
+async def test_an_answer_cached_through_one_replica_is_served_by_the_other(redis_url, ns):
+    a, b = CacheFilter(cfg=cfg(redis_url, ns)), CacheFilter(cfg=cfg(redis_url, ns))
+    await a.start()
+    await b.start()
+    try:
+        up_a, up_b = FakeUpstream("from A"), FakeUpstream("from B", delay_s=1.0)
+        await ask(a, up_a, make_call("What is the capital of France?"))
+        r, body = await ask(b, up_b, make_call("What is the capital of France?"))
+        assert r.header(b"x-usefulwork-cache") == b"hit-exact" and b"from A" in body and up_b.calls == 0  # exact: never raced
+        await wait_for(lambda: b.index.size(next(iter(a.index._parts))) == 1)  # B follows A's log
+        r, body = await ask(b, up_b, make_call("Which city is the capital of France?"))
+        assert r.header(b"x-usefulwork-cache").startswith(b"hit-semantic") and b"from A" in body
+        # a third replica started later rebuilds its index from Redis
+        c = CacheFilter(cfg=cfg(redis_url, ns))
+        await c.start()
+        try:
+            await wait_for(lambda: len(c.index) == 1)
+        finally:
+            await c.stop()
+        # tenants never share: B's tenant t2 misses the same words
+        r, _ = await ask(b, up_b, make_call("What is the capital of France?", tenant="t2"))
+        assert r.header(b"x-usefulwork-cache") == b"miss"
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_ttl_expiry_and_lru_eviction(redis_url, ns):
+    exact = SemanticCfg(enabled=False)
+    f = CacheFilter(cfg=cfg(redis_url, ns, ttl_s=0.5, max_entries_per_partition=2, semantic=exact))
+    await f.start()
+    try:
+        up = FakeUpstream()
+        for q in ("a", "b"):
+            await ask(f, up, make_call(q))
+        await ask(f, up, make_call("a"))  # touch a
+        await ask(f, up, make_call("c"))  # evicts b, the least recently used
+        assert f.store.evicted == 1
+        assert (await ask(f, up, make_call("a")))[0].header(b"x-usefulwork-cache") == b"hit-exact"
+        assert (await ask(f, up, make_call("b")))[0].header(b"x-usefulwork-cache") == b"miss"
+        await asyncio.sleep(0.7)
+        assert (await ask(f, up, make_call("a")))[0].header(b"x-usefulwork-cache") == b"miss"
+    finally:
+        await f.stop()
+
+
+async def test_purge_on_one_replica_empties_the_others_index(redis_url, ns):
+    a, b = CacheFilter(cfg=cfg(redis_url, ns)), CacheFilter(cfg=cfg(redis_url, ns))
+    await a.start()
+    await b.start()
+    try:
+        up = FakeUpstream()
+        await ask(a, up, make_call("hello world", tenant="t1"))
+        await ask(a, up, make_call("hello world", tenant="t2"))
+        await wait_for(lambda: len(b.index) == 2)
+        assert await a.store.purge(tenant="t1") == 1
+        await wait_for(lambda: len(b.index) == 1)
+        assert (await ask(b, up, make_call("hello world", tenant="t1")))[0].header(b"x-usefulwork-cache") == b"miss"
+        assert (await ask(b, up, make_call("hello world", tenant="t2")))[0].header(b"x-usefulwork-cache") == b"hit-exact"
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_redis_down_never_fails_a_request():
+    dead = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    f = CacheFilter(cfg=CacheCfg(redis_url=dead, semantic=SemanticCfg(enabled=False)))
+    await f.start()
+    try:
+        up = FakeUpstream("still answered")
+        for _ in range(3):
+            r, body = await ask(f, up, make_call("q"))
+            assert r.status == 200 and r.header(b"x-usefulwork-cache") == b"bypass" and b"still answered" in body
+        assert f.stats()["store_errors"] == 3 and f.stats()["bypass_reasons"] == {"store_error": 3}
+    finally:
+        await f.stop()
+
+
+async def test_store_round_trip_keeps_the_vector_for_other_replicas(redis_url, ns):
+    s = RedisStore(cfg(redis_url, ns))
+    try:
+        assert await s.get("p", "missing") is None
+        assert await s.purge(tenant="nobody") == 0
+    finally:
+        await s.stop()

@@ -1,0 +1,122 @@
+"""Paired comparison: the statistics on planted differences (in-process), then end to end with two real
+simulator setups (one slower and 20% dearer) through `usefulwork replay --baseline --candidate`."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from tests.conftest import free_port
+from usefulwork.backends.sim.process import SimProcess
+from usefulwork.cli import main as cli_main
+from usefulwork.loadtest.client import RequestResult
+from usefulwork.loadtest.metrics import SLOSpec
+from usefulwork.loadtest.paired import Pass, analyse
+from usefulwork.loadtest.replay import ReplayWorkload
+
+MODEL = "Llama-3.1-8B"
+N = 300
+
+
+def workload(n: int = N) -> ReplayWorkload:
+    recs = [{"ts": i * 0.1, "op": "chat" if i % 2 else "completions", "tenant": "acme" if i % 3 else "globex",
+             "route": "r", "prompt_tokens": 100, "body": {"model": "m", "prompt": "x", "max_tokens": 10}}
+            for i in range(n)]
+    return ReplayWorkload(records=recs)
+
+
+def side(rng, slow: float = 1.0, fail_every: int = 0, text: str = "same") -> list[RequestResult]:
+    out = []
+    for i in range(N):
+        e2e = rng.lognormal(np.log(1.0), 0.3) * slow
+        r = RequestResult(index=i, kind="", planned=i * 0.1, sent=i * 0.1, end=i * 0.1 + e2e,
+                          ttft=0.1 * slow * rng.lognormal(0, 0.2), output_tokens=10, text=[text, str(i)])
+        if fail_every and i % fail_every == 0:
+            r.outcome = "error"
+        out.append(r)
+    return out
+
+
+def run(a, b, na, nb, usd_b: float = 1.0) -> dict:
+    return analyse(workload(), Pass(a=a, b=b, wall_start=0.0), Pass(a=na, b=nb, wall_start=0.0), slo=SLOSpec(),
+                   usd_per_hour_a=1.0, usd_per_hour_b=usd_b, embed=None, resamples=400)
+
+
+def test_baseline_vs_baseline_reports_no_difference():
+    rng = np.random.default_rng(1)
+    out = run(side(rng), side(rng), side(rng), side(rng))
+    assert out["verdict"].startswith("verdict: no difference"), out["verdict"]
+    assert out["total"]["exact_match"]["candidate"] == 1.0
+
+
+def test_a_planted_20_percent_cost_difference_is_real_and_measured():
+    rng = np.random.default_rng(2)
+    out = run(side(rng), side(rng), side(rng), side(rng), usd_b=1.2)
+    c = out["total"]["usd_per_1k_successful"]
+    assert c["real"] and 15 < c["diff_pct"] < 25 and c["ci95"][0] > 0
+    assert not out["total"]["p50_e2e_ms"]["real"]
+    assert "usd_per_1k_successful" in out["verdict"]
+
+
+def test_a_planted_latency_regression_and_errors_are_real_per_tenant_too():
+    rng = np.random.default_rng(3)
+    out = run(side(rng), side(rng, slow=1.5, fail_every=10, text="other"), side(rng), side(rng))
+    t = out["total"]
+    assert t["p50_e2e_ms"]["real"] and t["p95_ttft_ms"]["real"] and t["error_rate"]["real"]
+    assert t["exact_match"]["real"] and t["exact_match"]["candidate"] == 0.0
+    assert out["by_tenant"]["acme"]["p50_e2e_ms"]["real"] and set(out["by_route"]) == {"r"}
+
+
+@pytest.fixture(scope="module")
+def two_setups(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("paired")
+    fast = SimProcess(port=free_port(), gpu="A100-80G", model=MODEL, time_scale=20.0, log_path=tmp / "a.log")
+    slow = SimProcess(port=free_port(), gpu="A100-80G", model=MODEL, time_scale=10.0, log_path=tmp / "b.log")
+    for s in (fast, slow):
+        s.start()
+    for s in (fast, slow):
+        s.wait_ready(120)
+    log = tmp / "traffic.jsonl"
+    rng = np.random.default_rng(0)
+    t = 1_700_000_000.0
+    with log.open("w") as f:
+        for i in range(80):
+            t += rng.exponential(0.1)
+            f.write(json.dumps({"v": 1, "ts": t, "op": "completions", "tenant": ["acme", "globex"][i % 2],
+                                "route": "local", "outcome": "ok",
+                                "body": {"model": MODEL, "prompt": f"question {i} " * 40, "max_tokens": 32,
+                                         "ignore_eos": True}}) + "\n")
+    try:
+        yield fast, slow, log
+    finally:
+        fast.stop()
+        slow.stop()
+
+
+@pytest.mark.slow
+def test_paired_replay_detects_a_slower_dearer_candidate(two_setups, tmp_path):
+    fast, slow, log = two_setups
+    out = tmp_path / "cmp.json"
+    rc = cli_main(["replay", str(log), "--baseline", fast.base_url, "--candidate", slow.base_url,
+                   "--usd-per-hour", "1.0", "--candidate-usd-per-hour", "1.2", "--resamples", "400", "--speed", "2",
+                   "--out", str(out), "--html", str(tmp_path / "cmp.html")])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    t = data["comparison"]["total"]
+    assert t["usd_per_1k_successful"]["real"] and t["usd_per_1k_successful"]["diff_pct"] > 10
+    assert t["p50_e2e_ms"]["real"] and t["p50_e2e_ms"]["diff_pct"] > 30
+    assert t["embedding_similarity"]["candidate"] is not None
+    assert set(data["comparison"]["by_tenant"]) == {"acme", "globex"}
+    assert "real differences" in (tmp_path / "cmp.html").read_text()
+
+
+@pytest.mark.slow
+def test_paired_replay_of_baseline_against_itself_says_no_difference(two_setups, tmp_path):
+    fast, _, log = two_setups
+    out = tmp_path / "same.json"
+    assert cli_main(["replay", str(log), "--baseline", fast.base_url, "--candidate", fast.base_url,
+                     "--resamples", "400", "--speed", "2", "--no-embedding", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["comparison"]["verdict"].startswith("verdict: no difference"), data["comparison"]["verdict"]

@@ -1,0 +1,100 @@
+"""The precise prefix picker: its index from KV-cache events (unit), and end to end from a real
+simulator process publishing vLLM's ZMQ wire format; its predictions checked against cached_tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from tests.conftest import free_port
+from usefulwork.backends.sim.process import SimProcess
+from usefulwork.backends.sim.tokens import load_tokenizer
+from usefulwork.gateway.context import RequestContext
+from usefulwork.gateway.pipeline import Call
+from usefulwork.routers.config import PickerCfg
+from usefulwork.upstream.fleet import Replica
+from usefulwork.upstream.kv_events import PrecisePrefixPicker
+from usefulwork.upstream.pickers import BlockHasher
+
+
+def picker(endpoints: dict[str, str], block: int = 4) -> PrecisePrefixPicker:
+    return PrecisePrefixPicker(PickerCfg(kind="precise-prefix", block_tokens=block, kv_events_endpoints=endpoints),
+                               tokenizer=load_tokenizer(None))
+
+
+def test_events_build_the_index_under_the_gateways_own_hashes():
+    p = picker({"http://a": "tcp://127.0.0.1:1"})
+    ids = list(range(100, 112))  # three blocks of 4
+    ours = BlockHasher(4, 4.0).token_hashes(ids)
+    p.apply("http://a", [{"type": "BlockStored", "block_hashes": [b"x1", b"x2"], "parent_block_hash": None,
+                          "token_ids": ids[:8], "block_size": 4, "lora_id": None, "medium": "GPU"}])
+    p.apply("http://a", [{"type": "BlockStored", "block_hashes": [b"x3"], "parent_block_hash": b"x2",
+                          "token_ids": ids[8:], "block_size": 4, "lora_id": None, "medium": "GPU"}])
+    idx = p.index["http://a"]
+    assert idx.matched(ours) == 3
+    p.apply("http://a", [{"type": "BlockRemoved", "block_hashes": [b"x3"], "medium": "GPU"}])
+    assert idx.matched(ours) == 2
+    p.apply("http://a", [{"type": "BlockStored", "block_hashes": [b"y"], "parent_block_hash": b"unknown",
+                          "token_ids": ids[:4], "block_size": 4, "lora_id": None, "medium": "GPU"},
+                         {"type": "BlockStored", "block_hashes": [b"z"], "parent_block_hash": None,
+                          "token_ids": ids[:4], "block_size": 4, "lora_id": None, "medium": "CPU"}])
+    assert p.unchained == 1 and len(idx.blocks) == 2  # missed parent, and an offloaded tier: not indexed
+    p.apply("http://a", [{"type": "AllBlocksCleared"}])
+    assert idx.matched(ours) == 0 and not p.ours["http://a"]
+
+
+def test_precise_needs_a_tokenizer_and_endpoints():
+    with pytest.raises(ValueError, match="tokenizer"):
+        PrecisePrefixPicker(PickerCfg(kind="precise-prefix", kv_events_endpoints={"http://a": "tcp://x:1"}))
+    with pytest.raises(ValueError, match="kv_events_endpoints"):
+        PrecisePrefixPicker(PickerCfg(kind="precise-prefix"), tokenizer=load_tokenizer(None))
+
+
+@pytest.fixture(scope="module")
+def sims(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("kv")
+    procs = []
+    for i in range(2):
+        zport = free_port()
+        cfg = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{zport}"})
+        procs.append((SimProcess(gpu="A100-80G", model="Llama-3.1-8B", served_name="llama", port=free_port(),
+                                 time_scale=50, seed=i, extra={"kv_events_config": cfg},
+                                 log_path=logs / f"sim{i}.log"), f"tcp://127.0.0.1:{zport}"))
+    with procs[0][0], procs[1][0]:
+        yield procs
+
+
+def chat(text: str) -> dict:
+    return {"model": "llama", "messages": [{"role": "system", "content": "Policy handbook. " + " ".join(f"Rule {i} holds for every order." for i in range(40))},
+                                           {"role": "user", "content": text}], "max_tokens": 4}
+
+
+async def test_simulator_events_make_predictions_match_cached_tokens(sims):
+    (s0, e0), (s1, e1) = sims
+    p = picker({s0.base_url: e0, s1.base_url: e1}, block=16)  # the simulated A100's block size
+    rs = [Replica(s0.base_url, "p", healthy=True), Replica(s1.base_url, "p", healthy=True)]
+    p.start()
+    await asyncio.sleep(0.3)  # ZMQ slow joiner: let the subscriptions settle
+    async with httpx.AsyncClient(timeout=30) as client:
+        r = await client.post(f"{s1.base_url}/v1/chat/completions", json=chat("first question"))
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        for _ in range(50):
+            if p.index.get(s1.base_url) and p.index[s1.base_url].blocks:
+                break
+            await asyncio.sleep(0.05)
+        body = chat("second question")
+        c = Call(RequestContext(id="x", endpoint="chat", model="llama", stream=False), "chat",
+                 b"/v1/chat/completions", body, None, None, [])
+        ordered = p.pick(c, rs)
+        assert ordered[0].url == s1.base_url  # the replica that holds the prefix, learned from its events
+        predicted = c.ctx.predicted_cached_tokens
+        r = await client.post(f"{s1.base_url}/v1/chat/completions", json=body)
+        actual = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert predicted > 0 and predicted == actual, (predicted, actual)
+    c.ctx.usage_source, c.ctx.cached_tokens = "backend", actual
+    p.feedback(c, ordered[0])
+    assert p.accurate == 1 and p.events > 0
+    await p.stop()

@@ -1,0 +1,177 @@
+"""The client-facing HTTP/1.1 protocol: uvicorn's httptools protocol with limits for hostile clients.
+
+uvicorn (0.54) bounds neither the size of a request head nor the time a client may take to send
+it: one 64 MB header cost seconds of CPU (httptools joins a value's pieces, quadratic) and slowloris
+connections stayed open for ever. This subclass, handed to uvicorn as its ``http`` protocol by
+``usefulwork serve``, adds:
+
+- ``limits.max_header_bytes`` on the request line plus headers: 431 (414 when the URL alone is over),
+  checked after every network read, so the work done on an oversized head is bounded;
+- ``timeouts.client_header_s``: a connection must deliver a complete head within that time of
+  connecting, or of the end of its previous response; else 408 (or a plain close when it sent
+  nothing at all). Idle kept-alive connections are still closed by uvicorn's keep-alive timeout;
+- framing errors (bad Content-Length, Content-Length with Transfer-Encoding, control characters
+  in a header, ...) answered as OpenAI-style JSON 400 instead of uvicorn's plain text.
+
+Every refusal closes the connection and is counted in ``usefulwork_http_rejected_total{reason}``
+(``/metrics``). Body size is the endpoints' job (``limits.max_body_bytes``, 413).
+"""
+
+from __future__ import annotations
+
+import httptools
+import prometheus_client
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from usefulwork.config import Config
+from usefulwork.gateway.errors import error_body
+
+REJECTED = prometheus_client.Counter(
+    "usefulwork_http_rejected", "Client connections refused at the HTTP layer, by reason.", ["reason"])
+
+_REASONS = {  # status -> (reason label, error code, status text)
+    400: ("malformed", "invalid_http_request", b"Bad Request"),
+    408: ("header_timeout", "request_timeout", b"Request Timeout"),
+    414: ("uri_too_long", "uri_too_long", b"URI Too Long"),
+    431: ("header_too_large", "request_header_fields_too_large", b"Request Header Fields Too Large"),
+}
+
+
+class _Refuse(Exception):
+    """Raised from a parser callback to stop parsing; data_received answers with ``status``."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol plus the limits in the module doc (class attributes, set by
+    ``protocol_class``)."""
+
+    max_header_bytes = 32 * 1024
+    header_timeout_s = 10.0
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._in_head = True  # the next bytes belong to a request head (also a pipelined one)
+        self._head_bytes = 0  # bytes received for the current head
+        self._url_bytes = 0
+        self._fields_bytes = 0
+        self._head_timer = None  # armed while waiting for a request head
+
+    # -- waiting for a head --
+    def _arm(self) -> None:
+        self._disarm()
+        self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_timeout)
+
+    def _disarm(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timeout(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing() or (self.cycle is not None and not self.cycle.response_complete):
+            return
+        if self._head_bytes:
+            self._refuse(408, f"the request head did not arrive within {self.header_timeout_s:g}s")
+        else:  # nothing asked, nothing to answer
+            REJECTED.labels("idle_no_request").inc()
+            self.transport.close()
+
+    def _refuse(self, status: int, message: str) -> None:
+        reason, code, text = _REASONS[status]
+        REJECTED.labels(reason).inc()
+        self._disarm()
+        if self.transport.is_closing():
+            return
+        body = error_body(status, message, code=code)
+        self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                             b"connection: close\r\n\r\n%s" % (status, text, len(body), body))
+        self.transport.close()
+
+    # -- asyncio.Protocol --
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        self._unset_keepalive_if_required()
+        if self._in_head:
+            self._head_bytes += len(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:  # as uvicorn does (the gateway serves no websockets)
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+            return
+        except httptools.HttpParserError as exc:
+            refuse = exc.__context__ if isinstance(exc.__context__, _Refuse) else None
+            if refuse is not None:
+                self._refuse(refuse.status, refuse.message)
+            else:
+                self.send_400_response(f"Invalid HTTP request received: {exc}")
+            return
+        except _Refuse as refuse:
+            self._refuse(refuse.status, refuse.message)
+            return
+        if self._in_head and self._head_bytes > self.max_header_bytes:
+            self._too_large()
+
+    def _too_large(self) -> None:
+        if self._url_bytes > self.max_header_bytes:
+            self._refuse(414, f"the request URL exceeds {self.max_header_bytes} bytes")
+        else:
+            self._refuse(431, f"the request line and headers exceed {self.max_header_bytes} bytes")
+
+    def send_400_response(self, msg: str) -> None:
+        self._refuse(400, msg)
+
+    # -- parser callbacks --
+    def on_message_begin(self) -> None:
+        self._url_bytes = self._fields_bytes = 0
+        super().on_message_begin()
+
+    def on_url(self, url: bytes) -> None:
+        self._url_bytes += len(url)
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._fields_bytes += len(name) + len(value) + 4
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._disarm()
+        self._in_head = False
+        self._head_bytes = 0
+        if self._url_bytes + self._fields_bytes > self.max_header_bytes:
+            status = 414 if self._url_bytes > self.max_header_bytes else 431
+            raise _Refuse(status, f"the request {'URL' if status == 414 else 'line and headers'} exceed "
+                                  f"{self.max_header_bytes} bytes")
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._in_head = True  # what follows is the next request's head
+        super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        queued = bool(self.pipeline)
+        super().on_response_complete()
+        if not queued and not self.transport.is_closing():
+            self._arm()  # the next request's head must arrive in time too
+
+
+def protocol_class(cfg: Config) -> type[GuardedHttpToolsProtocol]:
+    """The protocol class for uvicorn's ``http=``, with this config's limits."""
+    return type("GatewayHttpProtocol", (GuardedHttpToolsProtocol,), {
+        "max_header_bytes": cfg.limits.max_header_bytes,
+        "header_timeout_s": cfg.timeouts.client_header_s,
+    })
