@@ -174,9 +174,11 @@ class Replica:
     inflight: int = 0
     waiting: float = 0.0  # vllm:num_requests_waiting and vllm:kv_cache_usage_perc as the gateway last
     kv_usage: float = 0.0  # scraped them (every timeouts.health_interval_s; read by admission.Capacity)
+    running: float = 0.0  # vllm:num_requests_running
 
     def scrape(self) -> None:
         self.waiting = float(len(self.engine.scheduler.waiting))
+        self.running = float(self.engine.num_running)
         self.kv_usage = self.engine.kv.usage
 
     def serving(self, now: float) -> bool:
