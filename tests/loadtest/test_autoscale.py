@@ -51,7 +51,7 @@ def test_fixed_fleets_are_billed_for_every_replica_all_run(short_day):
 
 def test_autoscaled_fleets_stay_within_the_hpa_bounds_and_admission_sheds_rather_than_times_out(short_day):
     by = {r["policy"]: r for r in short_day["policies"]}
-    for name in ("hpa-vllm-queue", "hpa-gateway-queue"):
+    for name in ("hpa-vllm-queue", "hpa-gateway-queue", "hpa-gateway-queue-replica-limit"):
         assert by[name]["replicas_min"] >= FLEET.min_replicas and by[name]["replicas_max"] <= FLEET.max_replicas
     g = by["hpa-gateway-queue"]
     assert g["timeouts"] == 0
@@ -71,6 +71,18 @@ def test_cli_runs_the_autoscale_experiment_by_name(tmp_path):
                           env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = json.loads((out / "results.json").read_text())
-    assert [p["policy"] for p in data["policies"]] == ["fixed-peak", "fixed-mean", "hpa-vllm-queue", "hpa-gateway-queue"]
-    assert data["day"]["day_s"] == pytest.approx(72.0)
+    assert [p["policy"] for p in data["policies"]] == ["fixed-peak", "fixed-mean", "hpa-vllm-queue", "hpa-gateway-queue",
+                                                     "hpa-gateway-queue-replica-limit"]
+    assert data["day"]["day_s"] == pytest.approx(Day().day_s * 0.02)
     assert "hpa-gateway-queue" in proc.stdout + proc.stderr
+
+
+def test_replica_hour_bound_grows_with_compression():
+    from usefulwork.loadtest.autoscale import replica_hour_bound
+
+    real = replica_hour_bound(Day(day_s=86400.0), Fleet(), 5)
+    compressed = replica_hour_bound(Day(day_s=1440.0), Fleet(), 5)
+    assert 0.0 < real["needed"] <= real["with_windows"] <= 1.0
+    assert real["needed"] == pytest.approx(compressed["needed"], abs=0.01)  # the same day's shape
+    assert real["with_windows"] - real["needed"] < 0.02  # 300 s windows are nothing in a real day
+    assert compressed["with_windows"] > real["with_windows"] + 0.1  # ... and a lot in a 24-minute one

@@ -116,23 +116,25 @@ class HPA:
         return min(max(desired, self.min_replicas), self.max_replicas)
 
     def _up_limit(self, now: float, current: int) -> int:
-        rules = self.up
-        if rules.select == "Disabled":
-            return current
-        out: int | None = None
-        for p in rules.policies:
-            start = current - self._changed(self.up_events, now, p.period_s) + self._changed(self.down_events, now, p.period_s)
-            proposed = start + p.value if p.type == "Pods" else math.ceil(start * (1 + p.value / 100))
-            out = proposed if out is None else (max(out, proposed) if rules.select == "Max" else min(out, proposed))
-        return current if out is None else out
+        return self._limit(now, current, self.up, +1)
 
     def _down_limit(self, now: float, current: int) -> int:
-        rules = self.down
-        if rules.select == "Disabled":
+        return self._limit(now, current, self.down, -1)
+
+    def _limit(self, now: float, current: int, rules: Rules, sign: int) -> int:
+        """The furthest count the policies allow in one direction (sign +1 up, -1 down), from the
+        count at each policy period's start. ``Max`` picks the largest change, ``Min`` the smallest."""
+        if rules.select == "Disabled" or not rules.policies:
             return current
-        out: int | None = None
+        proposals = []
         for p in rules.policies:
             start = current - self._changed(self.up_events, now, p.period_s) + self._changed(self.down_events, now, p.period_s)
-            proposed = start - p.value if p.type == "Pods" else int(start * (1 - p.value / 100))
-            out = proposed if out is None else (min(out, proposed) if rules.select == "Max" else max(out, proposed))
-        return current if out is None else out
+            if p.type == "Pods":
+                proposals.append(start + sign * p.value)
+            elif sign > 0:  # Percent, rounded so that a small fleet can still grow
+                proposals.append(math.ceil(start * (1 + p.value / 100)))
+            else:
+                proposals.append(int(start * (1 - p.value / 100)))
+        largest_change = max(proposals) if sign > 0 else min(proposals)
+        smallest_change = min(proposals) if sign > 0 else max(proposals)
+        return largest_change if rules.select == "Max" else smallest_change
