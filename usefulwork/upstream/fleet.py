@@ -160,8 +160,9 @@ class Fleet:
         return [r for p in self.pools.values() for r in p.replicas]
 
     def ready(self) -> bool:
-        """Every pool has at least one healthy replica."""
-        return bool(self.pools) and all(p.healthy_replicas() for p in self.pools.values())
+        """Every serving pool has at least one healthy replica (a shadow pool only mirrors: it never gates)."""
+        shadow = self.cfg.shadow.pool if self.cfg.shadow is not None else None
+        return bool(self.pools) and all(p.healthy_replicas() for name, p in self.pools.items() if name != shadow)
 
     def candidates(self, pool: PoolState) -> list[Replica]:
         """Replicas a picker may choose from: the healthy ones, else those whose back-off expired."""
