@@ -185,7 +185,8 @@ async def test_responses_stream_failure_uses_the_responses_error_event():
     assert ledger.done[0].outcome == "error"
 
 
-async def test_client_disconnect_cancels_the_stream_and_closes_the_reply():
+async def _long_stream_in_flight():
+    """An endpoint serving a stream that sends one event, then generates for a long time."""
     started = asyncio.Event()
 
     async def chunks():
@@ -204,6 +205,11 @@ async def test_client_disconnect_cancels_the_stream_and_closes_the_reply():
     c = Client(BODY)
     task = asyncio.ensure_future(ep(c.scope, c.receive, c.send))
     await started.wait()
+    return task, c, ledger, closed
+
+
+async def test_client_disconnect_cancels_the_stream_and_closes_the_reply():
+    task, c, ledger, closed = await _long_stream_in_flight()
     c.disconnect()
     await asyncio.wait_for(task, 5)
     assert ledger.done[0].outcome == "client_cancelled" and closed == [1]
@@ -211,24 +217,7 @@ async def test_client_disconnect_cancels_the_stream_and_closes_the_reply():
 
 async def test_stream_cut_by_server_shutdown_tells_the_client_and_is_not_ok():
     """uvicorn cancels requests still running when its shutdown grace ends (issue 9, item 2)."""
-    started = asyncio.Event()
-
-    async def chunks():
-        yield b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n'
-        started.set()
-        await asyncio.sleep(30)
-        yield b"data: [DONE]\n\n"
-
-    reply = Reply(200, chunks=chunks())
-    closed = closed_flag(reply)
-
-    async def handler(call):
-        return reply
-
-    ep, ledger = endpoint(handler)
-    c = Client(BODY)
-    task = asyncio.ensure_future(ep(c.scope, c.receive, c.send))
-    await started.wait()
+    task, c, ledger, closed = await _long_stream_in_flight()
     task.cancel()  # what the server does to a request still running past its grace
     with pytest.raises(asyncio.CancelledError):
         await task
