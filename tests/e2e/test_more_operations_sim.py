@@ -3,6 +3,9 @@ small real model, serves both), with the ledger booking each request's usage."""
 
 from __future__ import annotations
 
+import signal
+
+import httpx
 import openai
 import orjson
 import pytest
@@ -50,3 +53,33 @@ def test_responses_and_embeddings_through_the_gateway(sim_gateway):
     assert recs[("responses", False)]["completion_tokens"] == 12 and recs[("responses", False)]["outcome"] == "ok"
     assert recs[("responses", True)]["completion_tokens"] == 10 and recs[("responses", True)]["usage_source"] == "backend"
     assert recs[("embeddings", False)]["prompt_tokens"] > 0 and recs[("embeddings", False)]["completion_tokens"] == 0
+
+
+def test_stream_still_running_after_the_shutdown_grace_is_told_and_not_booked_ok(tmp_path):
+    """A real SIGTERM: uvicorn waits its 10 s grace for the stream, then cuts it (issue 9, item 2).
+    The client must get an error event and [DONE] before the cut, and the ledger must not say ok."""
+    sim = SimProcess(port=free_port(), profile="optimized-batched", gpu="A100-80G", model="Llama-3.1-8B",
+                     time_scale=0.05, log_path=tmp_path / "sim.log")  # 20x slower than an A100: a long stream
+    sim.start()
+    sim.wait_ready(120)
+    ledger = tmp_path / "ledger.jsonl"
+    gw = start_gateway(tmp_path, pool_cfg("Llama-3.1-8B", [sim.base_url], ledger={"jsonl_path": str(ledger)}))
+    try:
+        events: list[bytes] = []
+        with httpx.stream("POST", gw.v1 + "/chat/completions", timeout=60, json={
+                "model": "Llama-3.1-8B", "stream": True, "max_tokens": 4000, "ignore_eos": True,
+                "messages": [{"role": "user", "content": "Tell a very long story."}]}) as resp:
+            lines = resp.iter_lines()
+            for line in lines:  # the stream is running: now stop the gateway
+                if line.startswith("data: {"):
+                    break
+            gw.proc.send_signal(signal.SIGTERM)
+            events = [line.encode() for line in lines if line]
+        assert resp.status_code == 200
+        assert b'"error"' in events[-2] and events[-1] == b"data: [DONE]", events[-3:]
+        assert gw.proc.wait(30) == 0
+        (rec,) = _records(ledger)
+        assert rec["outcome"] == "error" and "shut down" in rec["error"] and rec["slo_met"] is False
+    finally:
+        gw.stop()
+        sim.stop()
