@@ -55,7 +55,7 @@ def test_sim_matrix_through_gateway(tmp_path):
             assert gw["ok"] == r["completed"]
             assert gw["generated_tokens_ok"] == r["total_output_tokens"]
         else:
-            late = _answered_before_the_client_left(r, tmp_path / "ledger-naive-single.jsonl", time_scale=5)
+            late = _answered_before_the_client_left(r, tmp_path / "ledger-naive-single.jsonl")
             assert gw["ok"] == r["completed"] + len(late)
         # the gateway prices wall seconds at $/h x time scale: the simulated GPU's dollars
         wall_price = 3.5 * (5 if r is naive else 10)
@@ -70,26 +70,27 @@ def test_sim_matrix_through_gateway(tmp_path):
     assert text.count("data:image/png;base64,") == 3 and "naive-single" in text
 
 
-def _answered_before_the_client_left(result: dict, ledger: Path, time_scale: float) -> list[str]:
-    """Requests the client counted as timed out that the gateway had answered in full before the client left.
+def _answered_before_the_client_left(result: dict, ledger: Path) -> list[str]:
+    """Requests the client counted as timed out that the gateway booked as answered in full.
 
     The client's deadline cancels its read and closes the connection. When the load generator's own
-    event loop runs late (a busy machine), its timer fires late too, after a [DONE] already sitting
-    in its socket: the client counts a timeout, while the gateway, which wrote its last event before
-    the client went away, counts ok. Joined per request on x-request-id (the ledger's
-    client_request_id), this must be the whole difference: every ok the client saw is ok in the
-    ledger, and every ledger ok the client timed out on ended at the gateway (its start + e2e, wall
-    clock) no later than the client gave up (its end, wall clock; 5 ms for converting two clocks).
+    event loop runs late (a busy machine), its timer fires after a [DONE] already sitting in its
+    socket; and the gateway, whose event loop learns of the close only on a later iteration, may
+    write its last event in the same instant the client leaves. Either way the client counts a
+    timeout while the gateway, which wrote [DONE] before it saw the client go, counts ok. Joined per
+    request on x-request-id (the ledger's client_request_id), this must be the whole difference:
+    every ok the client saw is ok in the ledger, and every ledger ok the client did not see is one of
+    the client's own timeouts (never an error, a shed or a cut stream). No time tolerance is needed.
     """
     records = {rec["client_request_id"]: rec for rec in map(json.loads, ledger.read_text().splitlines())}
+    assert len(records) == len(result["request_ids"])  # every request the gateway saw is in its ledger
     late = []
-    for rid, outcome, end in zip(result["request_ids"], result["outcomes"], result["end_times"]):
+    for rid, outcome in zip(result["request_ids"], result["outcomes"]):
         rec = records[rid]
         if outcome == "ok":
             assert rec["outcome"] == "ok", rec
         elif rec["outcome"] == "ok":
-            client_left = result["wall_start"] + end / time_scale
-            assert outcome == "timeout" and rec["ts"] + rec["e2e_ms"] / 1000 <= client_left + 0.005, (outcome, rec)
+            assert outcome == "timeout", (outcome, rec)
             late.append(rid)
     return late
 
