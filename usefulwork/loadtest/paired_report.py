@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from usefulwork.loadtest.paired import AGREEMENT, SIDE_FIGURES
-from usefulwork.loadtest.report import CSS, _fmt, _table, plot_cdfs
+from usefulwork.loadtest.report import CSS, _fmt, _table, plot_cdfs, write_page
 
 
 def _figure_rows(block: dict[str, Any]) -> list[list[str]]:
@@ -53,7 +53,4 @@ def render_html(data: dict[str, Any]) -> str:
 
 
 def write_html(data: dict[str, Any], path: str | Path) -> Path:
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(render_html(data))
-    return p
+    return write_page(render_html(data), path)

@@ -199,8 +199,13 @@ def render_html(data: dict[str, Any]) -> str:
     return "".join(parts)
 
 
-def write_html(data: dict[str, Any], path: str | Path) -> Path:
+def write_page(page: str, path: str | Path) -> Path:
+    """Write a rendered report page, creating its folder."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(render_html(data))
+    p.write_text(page)
     return p
+
+
+def write_html(data: dict[str, Any], path: str | Path) -> Path:
+    return write_page(render_html(data), path)
