@@ -1,12 +1,14 @@
 """Shared fixtures: the real local vLLM server (once per test session) and real Redis.
 
-Set ``USEFULWORK_TEST_VLLM_URL`` to reuse a vLLM server that is already running (development);
-otherwise the session starts one itself (CI). A real component that cannot start FAILS the tests
+Set ``USEFULWORK_TEST_VLLM_URL`` to reuse a vLLM server that is already running (development), and
+``USEFULWORK_TEST_VLLM_KV_EVENTS`` to the ZMQ endpoint of its KV-cache events if it publishes them;
+otherwise the session starts one itself (CI), publishing its KV-cache events on an ipc socket. A real component that cannot start FAILS the tests
 that need it: it is never skipped into a pass.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -26,6 +28,7 @@ MODEL_NAME = "smollm2-135m-instruct"
 class VLLMServer:
     base_url: str  # without /v1
     model: str
+    kv_events: str | None = None  # ZMQ endpoint of its KV-cache event publisher
 
     def metric(self, name: str) -> float:
         """Sum of a Prometheus metric's samples from the server's /metrics (e.g. vllm:num_requests_running)."""
@@ -58,6 +61,7 @@ class EmbeddedFleet:
     gateway_url: str
     vllm_url: str
     log: Path
+    kv_events: str
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
@@ -66,12 +70,15 @@ class EmbeddedFleet:
 def _start_embedded(tmp: Path) -> EmbeddedFleet:
     gw_port, vllm_port = free_port(), free_port()
     log = tmp / "serve.log"
-    env = {**os.environ, "USEFULWORK__LOCAL_FLEET__PORT": str(vllm_port)}
+    kv_events = f"ipc://{tmp / 'kv-events.sock'}"  # vLLM binds ipc endpoints (tcp only on a wildcard host)
+    kv_cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": kv_events}
+    env = {**os.environ, "USEFULWORK__LOCAL_FLEET__PORT": str(vllm_port),
+           "USEFULWORK__LOCAL_FLEET__EXTRA_ARGS": json.dumps(["--kv-events-config", json.dumps(kv_cfg)])}
     proc = subprocess.Popen(
         [sys.executable, "-m", "usefulwork.cli", "serve", "--port", str(gw_port), "--vllm-log", str(tmp / "vllm.log")],
         stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env,
     )
-    fleet = EmbeddedFleet(proc, f"http://127.0.0.1:{gw_port}", f"http://127.0.0.1:{vllm_port}", log)
+    fleet = EmbeddedFleet(proc, f"http://127.0.0.1:{gw_port}", f"http://127.0.0.1:{vllm_port}", log, kv_events)
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -112,11 +119,11 @@ def vllm_server(request) -> VLLMServer:
         url = url.rstrip("/").removesuffix("/v1")
         if not _answers(url):
             pytest.fail(f"USEFULWORK_TEST_VLLM_URL={url} does not answer /v1/models")
-        return VLLMServer(url, MODEL_NAME)
+        return VLLMServer(url, MODEL_NAME, os.environ.get("USEFULWORK_TEST_VLLM_KV_EVENTS"))
     fleet = request.getfixturevalue("embedded_fleet")
     if not _answers(fleet.vllm_url):
         pytest.fail(f"the embedded fleet's vLLM at {fleet.vllm_url} does not answer")
-    return VLLMServer(fleet.vllm_url, MODEL_NAME)
+    return VLLMServer(fleet.vllm_url, MODEL_NAME, fleet.kv_events)
 
 
 @pytest.fixture(scope="session")

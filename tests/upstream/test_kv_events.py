@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 import httpx
 import pytest
@@ -98,3 +99,49 @@ async def test_simulator_events_make_predictions_match_cached_tokens(sims):
     p.feedback(c, ordered[0])
     assert p.accurate == 1 and p.events > 0
     await p.stop()
+
+
+async def test_real_vllm_events_predict_its_cached_tokens(vllm_server):
+    """The real vLLM (CPU build) publishing its KV-cache events: the wire format decodes, the block size
+    is taken from the events (CPU vLLM stores 128-token blocks; block_tokens is left at its default 16),
+    and the prediction for a shared prefix equals the cached_tokens vLLM then reports."""
+    if not vllm_server.kv_events:
+        pytest.fail("this vLLM publishes no KV-cache events: set USEFULWORK_TEST_VLLM_KV_EVENTS (tests/conftest.py)")
+    from usefulwork.backends.model import ensure_model
+    from usefulwork.upstream.pickers import load_tokenizer as model_tokenizer
+
+    url = vllm_server.base_url
+    p = PrecisePrefixPicker(PickerCfg(kind="precise-prefix", kv_events_endpoints={url: vllm_server.kv_events}),
+                            tokenizer=model_tokenizer(str(ensure_model())))
+    assert p.hasher.block_tokens == 16
+    rs = [Replica("http://127.0.0.1:9", "p", healthy=True), Replica(url, "p", healthy=True)]
+    nonce = os.urandom(6).hex()  # a prefix no earlier request left in vLLM's cache
+    handbook = f"Ticket {nonce}. " + " ".join(f"Rule {i} holds for order {nonce}-{i}." for i in range(60))
+
+    def ask(question: str) -> dict:
+        return {"model": vllm_server.model, "max_tokens": 2,
+                "messages": [{"role": "system", "content": handbook}, {"role": "user", "content": question}]}
+
+    p.start()
+    await asyncio.sleep(0.5)  # ZMQ slow joiner
+    try:
+        async with httpx.AsyncClient(timeout=120) as client:
+            r = await client.post(f"{url}/v1/chat/completions", json=ask("first question"))
+            assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            for _ in range(100):
+                if p.index.get(url) and p.index[url].blocks:
+                    break
+                await asyncio.sleep(0.05)
+            assert p.events > 0 and p.unchained == 0
+            assert p.hasher.block_tokens != 16  # adopted from the events (vLLM's CPU build: 128)
+            body = ask("second question")
+            c = Call(RequestContext(id="x", endpoint="chat", model=vllm_server.model, stream=False), "chat",
+                     b"/v1/chat/completions", body, None, None, [])
+            ordered = p.pick(c, rs)
+            predicted = c.ctx.predicted_cached_tokens
+            r = await client.post(f"{url}/v1/chat/completions", json=body)
+            actual = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    finally:
+        await p.stop()
+    assert ordered[0].url == url  # the replica that holds the prefix, learned from its own events
+    assert predicted > 0 and predicted == actual, (predicted, actual)

@@ -96,7 +96,10 @@ class PickerCfg(_Strict):
     session_header: str | None = Field(None, description="prefix: request header whose value pins a session "
                                        "to the replica it was last sent to (while that replica is a candidate).")
     kv_events_endpoints: dict[str, str] = Field(default_factory=dict, description="precise-prefix: replica URL "
-                                                "-> ZMQ endpoint of its KV-cache event publisher.")
+                                                "-> ZMQ endpoint of its KV-cache event publisher. vLLM binds only a "
+                                                "wildcard or ipc endpoint (its --kv-events-config endpoint "
+                                                "tcp://*:5557 is reached here as tcp://HOST:5557). block_tokens "
+                                                "follows the block size the events carry.")
 
 
 class RoutingCfg(_Strict):

@@ -63,6 +63,8 @@ class PrecisePrefixPicker(PrefixPicker):
                 if ev.get("medium") not in (None, "GPU"):
                     continue  # offloaded tiers are not the prefix cache a request hits first
                 bs = int(ev["block_size"])
+                if bs != self.hasher.block_tokens:
+                    self._adopt_block_size(url, bs)
                 parent_ext = ev.get("parent_block_hash")
                 parent = 0 if parent_ext is None else ours.get(parent_ext)
                 if parent is None:
@@ -82,6 +84,14 @@ class PrecisePrefixPicker(PrefixPicker):
             elif kind == "AllBlocksCleared":
                 idx.blocks.clear()
                 ours.clear()
+
+    def _adopt_block_size(self, url: str, bs: int) -> None:
+        """The server's block size wins over ``block_tokens``: a request's hashes must cut its prompt where
+        the server cuts its blocks, or nothing would ever match (vLLM's CPU build uses 128, GPUs 16)."""
+        log.warning("precise-prefix: %s stores blocks of %d tokens, not block_tokens=%d; using %d",
+                    url, bs, self.hasher.block_tokens, bs)
+        self.hasher.block_tokens = bs
+        self.tokens_per_block = float(bs)
 
     async def _subscribe(self, url: str, endpoint: str) -> None:
         import msgspec  # noqa: PLC0415 (the kv-events extra)
