@@ -16,6 +16,10 @@ Each ``--variant`` is a gateway measured in the same run, interleaved with the o
 SRC_DIR is a checkout of usefulwork (``.`` for this one; a ``git worktree`` of an older commit for a
 before/after comparison) and the optional filter list is put in its config (``noop+noop+noop+noop``
 measures what four filters cost). Without ``--variant``: one variant, this checkout, no filters.
+``--overlay NAME=JSON`` deep-merges a config fragment into that variant's config (the string
+``{mock}`` in it becomes the mock's URL), for filters that need settings (a router's virtual model,
+a cache without its semantic stage). ``--unique`` makes every request's prompt different (a counter
+in the message, same length), so a cache measures its miss path rather than serving hits.
 
 Besides latency, it reports the gateway's CPU time per request (utime + stime of the gateway process
 over the run, from /proc, divided by requests): robust to other load on the machine, where
@@ -39,10 +43,12 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-UNARY_BODY = json.dumps({"model": "mock", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 16},
-                        separators=(",", ":")).encode()
-STREAM_BODY = json.dumps({"model": "mock", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 16,
-                          "stream": True}, separators=(",", ":")).encode()
+NONCE = b"000000000000"  # --unique: replaced in each request by a counter of the same width
+UNARY_BODY = json.dumps({"model": "mock", "messages": [{"role": "user", "content": "hello " + NONCE.decode()}],
+                         "max_tokens": 16}, separators=(",", ":")).encode()
+STREAM_BODY = json.dumps({"model": "mock", "messages": [{"role": "user", "content": "hello " + NONCE.decode()}],
+                          "max_tokens": 16, "stream": True}, separators=(",", ":")).encode()
+_sent = 0
 
 
 def free_port() -> int:
@@ -54,8 +60,10 @@ def free_port() -> int:
 class Conn(asyncio.Protocol):
     """One keep-alive connection issuing requests back to back."""
 
-    def __init__(self, request: bytes, stream: bool, deadline: float, lat: list, bad: list, done: asyncio.Future):
+    def __init__(self, request: bytes, stream: bool, deadline: float, lat: list, bad: list, done: asyncio.Future,
+                 unique: bool = False):
         self.request = request
+        self.unique = request.index(NONCE) if unique else -1
         self.stream = stream
         self.deadline = deadline
         self.lat = lat
@@ -74,8 +82,13 @@ class Conn(asyncio.Protocol):
             self.transport.close()
             return
         self.buf = b""
+        request = self.request
+        if self.unique >= 0:
+            global _sent
+            _sent += 1
+            request = b"%b%012d%b" % (request[:self.unique], _sent, request[self.unique + len(NONCE):])
         self.t0 = time.perf_counter()
-        self.transport.write(self.request)
+        self.transport.write(request)
 
     def connection_lost(self, exc) -> None:
         if not self.done.done():
@@ -104,7 +117,7 @@ class Conn(asyncio.Protocol):
         self._send()
 
 
-async def load(port: int, stream: bool, concurrency: int, duration: float) -> dict:
+async def load(port: int, stream: bool, concurrency: int, duration: float, unique: bool = False) -> dict:
     body = STREAM_BODY if stream else UNARY_BODY
     req = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
@@ -115,13 +128,13 @@ async def load(port: int, stream: bool, concurrency: int, duration: float) -> di
     warm_done = [loop.create_future() for _ in range(concurrency)]
     wend = time.perf_counter() + 1.0
     for f in warm_done:
-        await loop.create_connection(lambda f=f: Conn(req, stream, wend, [], [], f), "127.0.0.1", port)
+        await loop.create_connection(lambda f=f: Conn(req, stream, wend, [], [], f, unique), "127.0.0.1", port)
     await asyncio.gather(*warm_done)
     futures = [loop.create_future() for _ in range(concurrency)]
     t_start = time.perf_counter()
     deadline = t_start + duration
     for f in futures:
-        await loop.create_connection(lambda f=f: Conn(req, stream, deadline, lat, bad, f), "127.0.0.1", port)
+        await loop.create_connection(lambda f=f: Conn(req, stream, deadline, lat, bad, f, unique), "127.0.0.1", port)
     await asyncio.gather(*futures)
     elapsed = time.perf_counter() - t_start
     a = np.array(lat) * 1000.0
@@ -130,12 +143,13 @@ async def load(port: int, stream: bool, concurrency: int, duration: float) -> di
             "sample_error": bad[0].decode("latin-1") if bad else None}
 
 
-def run_load_process(port: int, stream: bool, concurrency: int, duration: float, core: str) -> dict:
+def run_load_process(port: int, stream: bool, concurrency: int, duration: float, core: str,
+                     unique: bool = False) -> dict:
     """Run the load generator in its own process pinned to `core` (keeps the benchmark process idle)."""
     code = (f"import asyncio,json,sys; sys.path.insert(0,{str(ROOT)!r});"
             "import uvloop; uvloop.install();"
             "from benchmarks.overhead import load;"
-            f"print(json.dumps(asyncio.run(load({port},{stream},{concurrency},{duration}))))")
+            f"print(json.dumps(asyncio.run(load({port},{stream},{concurrency},{duration},{unique}))))")
     out = subprocess.run(["taskset", "-c", core, sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -149,6 +163,14 @@ def parse_variant(spec: str) -> tuple[str, Path, list[str]]:
     name, _, rest = spec.partition("=")
     src, _, filters = rest.partition(":")
     return name, (Path(src) if src else ROOT).resolve(), [f for f in filters.split("+") if f]
+
+
+def merge(base: dict, overlay: dict) -> dict:
+    """Deep-merge a config fragment (mappings merge; lists and scalars replace)."""
+    out = dict(base)
+    for k, v in overlay.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
 
 
 def gateway_child(config_path: str, port: int, accounting: str) -> None:
@@ -188,6 +210,9 @@ def main() -> int:
                     help="off: a no-op accountant, to measure the proxy alone")
     ap.add_argument("--variant", action="append", default=[],
                     help="NAME=SRC_DIR[:filter+filter...]: a gateway to measure (repeatable; see the module doc)")
+    ap.add_argument("--overlay", action="append", default=[],
+                    help="NAME=JSON: a config fragment merged into that variant's config ({mock}: the mock's URL)")
+    ap.add_argument("--unique", action="store_true", help="a different prompt in every request (cache misses)")
     ap.add_argument("--gateway-child", nargs=2, metavar=("CONFIG", "PORT"), help=argparse.SUPPRESS)
     ap.add_argument("--markdown", type=Path, help="write the results table to this file")
     ap.add_argument("--json", type=Path, help="write raw results here")
@@ -197,6 +222,10 @@ def main() -> int:
         return 0
     conc = [int(c) for c in args.concurrency.split(",")]
     variants = [parse_variant(v) for v in args.variant] or [("gateway", ROOT, [])]
+    overlays = {name: text for name, _, text in (o.partition("=") for o in args.overlay)}
+    unknown = set(overlays) - {name for name, _, _ in variants}
+    if unknown:
+        ap.error(f"--overlay names no variant: {', '.join(sorted(unknown))}")
     mock_port = free_port()
     procs = []
     tmp = Path(tempfile.mkdtemp(prefix="uw-overhead-"))
@@ -211,6 +240,8 @@ def main() -> int:
                               "timeouts": {"health_interval_s": 5}}
             if filters:
                 cfg_tree["filters"] = filters
+            if name in overlays:
+                cfg_tree = merge(cfg_tree, json.loads(overlays[name].replace("{mock}", f"http://127.0.0.1:{mock_port}")))
             cfg.write_text(json.dumps(cfg_tree))
             port = free_port()
             # The variant's own checkout provides both the gateway and its child entry point.
@@ -227,10 +258,10 @@ def main() -> int:
         rows = []
         for stream in (False, True):
             for c in conc:
-                direct = run_load_process(mock_port, stream, c, args.duration, args.client_core)
+                direct = run_load_process(mock_port, stream, c, args.duration, args.client_core, args.unique)
                 for name, (gw, port) in gateways.items():
                     cpu0 = cpu_seconds(gw.pid)
-                    via = run_load_process(port, stream, c, args.duration, args.client_core)
+                    via = run_load_process(port, stream, c, args.duration, args.client_core, args.unique)
                     # includes the 1 s warm-up's requests in the CPU but not in the count: an upper bound
                     via["cpu_us_per_req"] = (cpu_seconds(gw.pid) - cpu0) / max(via["requests"], 1) * 1e6
                     row = {"variant": name, "mode": "stream-16" if stream else "unary", "concurrency": c,

@@ -90,7 +90,7 @@ def build_app(cfg: Config, client: httpx.AsyncClient | None = None) -> HotPaths:
     bundle = accounting.build(cfg, fleet)
     access = Access(cfg)
     services = Services(cfg=cfg, fleet=fleet, accountant=bundle.accountant,
-                        meter=bundle.telemetry.meter if bundle.telemetry is not None else None)
+                        meter=bundle.telemetry.fast_meter if bundle.telemetry is not None else None)
     filters = build_filters(cfg.filters, services)
     pickers = build_pickers(cfg, fleet, services.meter)
     handler = chain(filters, Forwarder(fleet, pickers))

@@ -42,6 +42,7 @@ from usefulwork.config import Config
 from usefulwork.gateway.context import RequestContext
 from usefulwork.gateway.accounting.costing import PoolMeter, Settled
 from usefulwork.gateway.accounting.histograms import HistogramBook
+from usefulwork.gateway.accounting.instruments import FastMeter, SummedCounter
 
 log = logging.getLogger("usefulwork.telemetry")
 
@@ -129,7 +130,8 @@ class Telemetry:
         self._instruments()
 
     def _instruments(self) -> None:
-        m = self.meter = self.meter_provider.get_meter("usefulwork.gateway")  # filters make instruments here too
+        m = self.meter = self.meter_provider.get_meter("usefulwork.gateway")
+        self.fast_meter = FastMeter(m, self.histograms, DURATION_BUCKETS)  # what filters and pickers make their instruments on
         h = self.histograms
         h.define("gen_ai.client.token.usage", "{token}", "Input and output tokens per request.", TOKEN_BUCKETS)
         h.define("gen_ai.client.operation.duration", "s", "End-to-end request duration.", DURATION_BUCKETS)
@@ -138,8 +140,9 @@ class Telemetry:
         h.define("usefulwork.request.intake", "s", "Time to read, parse and validate a request body.", DURATION_BUCKETS)
         # Counters are summed here, per attribute set, and read by the SDK only when it collects
         # (a scrape, an OTLP export): one dict update per request instead of an SDK call with
-        # attribute validation and hashing for each counter (measured: benchmarks/bench_accounting.py).
-        self._sums: dict[str, dict[tuple, float]] = {}
+        # attribute validation and hashing for each counter (measured: benchmarks/bench_accounting.py;
+        # instruments.py).
+        self._sums: dict[str, SummedCounter] = {}
         for name, unit, desc in (
             ("usefulwork.requests", "{request}", "Finished client requests by outcome."),
             ("usefulwork.generated.tokens", "{token}", "Completion tokens by outcome (ok = useful)."),
@@ -148,23 +151,12 @@ class Telemetry:
             ("usefulwork.routing.decisions", "{decision}", "Pool chosen per request, with the router's reason."),
             ("usefulwork.admission.decisions", "{decision}", "Admission outcome per request."),
         ):
-            self._sums[name] = {}
-            m.create_observable_counter(name, callbacks=[self._reader(name)], unit=unit, description=desc)
+            self._sums[name] = self.fast_meter.create_counter(name, unit=unit, description=desc)
         m.create_observable_counter("usefulwork.gpu.cost.usd", callbacks=[self._gpu_cost], unit="{USD}",
                                     description="Each pool's GPU cost since it came up (count x $/GPU-hour).")
 
-    def _reader(self, name: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
-        sums = self._sums[name]
-
-        def observe(options: CallbackOptions) -> Iterable[Observation]:
-            # list(): one C-level copy, safe against the loop adding a key meanwhile (OTLP thread)
-            return [Observation(v, dict(k)) for k, v in list(sums.items())]
-
-        return observe
-
     def _add(self, name: str, value: float, attrs: tuple) -> None:
-        sums = self._sums[name]
-        sums[attrs] = sums.get(attrs, 0.0) + value
+        self._sums[name].add_key(value, attrs)
 
     def _gpu_cost(self, options: CallbackOptions) -> Iterable[Observation]:
         now = self._clock()
