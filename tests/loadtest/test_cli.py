@@ -1,6 +1,7 @@
 """`usefulwork loadtest` command line: bad input stops with a clear message (exit 2), nothing sent."""
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -43,3 +44,10 @@ def test_dry_run_lists_cells(capsys):
     rc, out = _run(["--experiment", "cost-a100", "--dry-run"], capsys)
     assert rc == 0
     assert out.err.count("512x128") == 4 and "optimized-batched" in out.err
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (Path(cli.__file__).parent / "experiments").glob("*.yaml")))
+def test_every_shipped_experiment_plans_its_cells(name, capsys):
+    rc, out = _run(["--experiment", name, "--dry-run"], capsys)
+    assert rc == 0, out.err
+    assert "arrival=" in out.err  # one line per planned cell
