@@ -16,6 +16,9 @@ Each ``--variant`` is a gateway measured in the same run, interleaved with the o
 SRC_DIR is a checkout of usefulwork (``.`` for this one; a ``git worktree`` of an older commit for a
 before/after comparison) and the optional filter list is put in its config (``noop+noop+noop+noop``
 measures what four filters cost). Without ``--variant``: one variant, this checkout, no filters.
+``--overlay NAME=JSON`` deep-merges a config fragment into that variant's config (the string
+``{mock}`` in it becomes the mock's URL), for filters that need settings (a router's virtual model,
+a cache without its semantic stage).
 
 Besides latency, it reports the gateway's CPU time per request (utime + stime of the gateway process
 over the run, from /proc, divided by requests): robust to other load on the machine, where
@@ -151,6 +154,14 @@ def parse_variant(spec: str) -> tuple[str, Path, list[str]]:
     return name, (Path(src) if src else ROOT).resolve(), [f for f in filters.split("+") if f]
 
 
+def merge(base: dict, overlay: dict) -> dict:
+    """Deep-merge a config fragment (mappings merge; lists and scalars replace)."""
+    out = dict(base)
+    for k, v in overlay.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
 def gateway_child(config_path: str, port: int, accounting: str) -> None:
     """Run the gateway in this process (used as the benchmark's gateway subprocess)."""
     from usefulwork.config import load
@@ -188,6 +199,8 @@ def main() -> int:
                     help="off: a no-op accountant, to measure the proxy alone")
     ap.add_argument("--variant", action="append", default=[],
                     help="NAME=SRC_DIR[:filter+filter...]: a gateway to measure (repeatable; see the module doc)")
+    ap.add_argument("--overlay", action="append", default=[],
+                    help="NAME=JSON: a config fragment merged into that variant's config ({mock}: the mock's URL)")
     ap.add_argument("--gateway-child", nargs=2, metavar=("CONFIG", "PORT"), help=argparse.SUPPRESS)
     ap.add_argument("--markdown", type=Path, help="write the results table to this file")
     ap.add_argument("--json", type=Path, help="write raw results here")
@@ -197,6 +210,10 @@ def main() -> int:
         return 0
     conc = [int(c) for c in args.concurrency.split(",")]
     variants = [parse_variant(v) for v in args.variant] or [("gateway", ROOT, [])]
+    overlays = {name: text for name, _, text in (o.partition("=") for o in args.overlay)}
+    unknown = set(overlays) - {name for name, _, _ in variants}
+    if unknown:
+        ap.error(f"--overlay names no variant: {', '.join(sorted(unknown))}")
     mock_port = free_port()
     procs = []
     tmp = Path(tempfile.mkdtemp(prefix="uw-overhead-"))
@@ -211,6 +228,8 @@ def main() -> int:
                               "timeouts": {"health_interval_s": 5}}
             if filters:
                 cfg_tree["filters"] = filters
+            if name in overlays:
+                cfg_tree = merge(cfg_tree, json.loads(overlays[name].replace("{mock}", f"http://127.0.0.1:{mock_port}")))
             cfg.write_text(json.dumps(cfg_tree))
             port = free_port()
             # The variant's own checkout provides both the gateway and its child entry point.
