@@ -27,7 +27,7 @@ def test_lateness_does_not_accumulate_and_nothing_goes_out_early():
     def launch(at: float) -> None:
         fired.append(time.perf_counter() - clock0)
         if len(fired) == 5:
-            time.sleep(0.05)  # one slow launch: the five items due meanwhile go at once, then on time again
+            time.sleep(0.06)  # one slow launch: the five items due meanwhile go at once, then on time again
 
     async def go() -> None:
         await rs.fire_on_schedule(due, lambda x: x, launch, clock0)
