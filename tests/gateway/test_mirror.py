@@ -75,14 +75,14 @@ class Staller:
             c.close()
 
 
-def gateway(tmp_path, primary_url: str, shadow_url: str, ledger, filters=("mirror",)):
+def gateway(tmp_path, primary_url: str, shadow_url: str, ledger, filters=("mirror",), shadow=None, **over):
     cfg = {"pools": [{"name": "primary", "models": [MODEL], "replicas": [primary_url]},
                      {"name": "candidate", "models": [SHADOW_MODEL], "replicas": [shadow_url]}],
            "timeouts": {"health_interval_s": 0.5, "retry_after_down_s": 1.0},
            "filters": list(filters), "record": {"dir": str(tmp_path / "traffic"), "flush_interval_s": 0.05},
            "shadow": {"pool": "candidate", "sample": 1.0, "timeout_s": 2.0, "max_inflight": 4,
-                      "dir": str(tmp_path / "shadow")},
-           "ledger": {"jsonl_path": str(ledger), "flush_interval_s": 0.1}}
+                      "dir": str(tmp_path / "shadow"), **(shadow or {})},
+           "ledger": {"jsonl_path": str(ledger), "flush_interval_s": 0.1}, **over}
     return start_gateway(tmp_path, cfg, wait_ready=False)
 
 
@@ -99,8 +99,9 @@ async def drive(url: str, n: int) -> list[tuple[int, float]]:
         return await asyncio.gather(*(one(i) for i in range(n)))
 
 
-def stats(gw) -> dict:
-    return httpx.get(gw.url + "/usefulwork/stats", timeout=5).json()["filters"]["mirror"]
+def stats(gw, admin_key: str | None = None) -> dict:
+    headers = {"authorization": f"Bearer {admin_key}"} if admin_key else None
+    return httpx.get(gw.url + "/usefulwork/stats", headers=headers, timeout=5).json()["filters"]["mirror"]
 
 
 def ledger_records(path) -> list[dict]:
@@ -152,6 +153,7 @@ def test_the_primary_has_zero_errors_when_the_shadow_refuses_or_stalls(sims, tmp
         time.sleep(2.5)  # the stalled shadow requests reach their timeout
         st = stats(gw)
         assert st["ok"] == 0 and st["mirrored"] + st["dropped_busy"] + st["dropped_down"] == 20
+        assert st["dropped_primary_busy"] == st["dropped_primary_saturated"] == 0
         if staller:  # sent, stalled, cut at the timeout; more than max_inflight at once were not mirrored
             assert st["mirrored"] >= 4 and st["failed"] == st["mirrored"] and st["dropped_busy"] > 0
     finally:
@@ -159,3 +161,110 @@ def test_the_primary_has_zero_errors_when_the_shadow_refuses_or_stalls(sims, tmp
         if staller:
             staller.close()
     assert [r["outcome"] for r in ledger_records(ledger)] == ["ok"] * 20
+
+
+async def post(c: httpx.AsyncClient, url: str, max_tokens: int, key: str | None = None) -> int:
+    r = await c.post(url + "/v1/completions", json={"model": MODEL, "prompt": "q", "max_tokens": max_tokens,
+                                                     "ignore_eos": True},
+                     headers={"authorization": f"Bearer {key}"} if key else None)
+    return r.status_code
+
+
+def test_a_busy_primary_makes_the_mirror_drop_and_a_quiet_one_mirrors(sims, tmp_path):
+    """The primary's own load signal (the gateway's leases on it) decides: past two in flight per replica,
+    shadow work is dropped first; one request at a time is always mirrored."""
+    primary, shadow = sims
+    gw = gateway(tmp_path, primary.base_url, shadow.base_url, tmp_path / "ledger.jsonl",
+                 shadow={"busy_inflight_per_replica": 2, "max_inflight": 64, "timeout_s": 30.0})
+
+    async def quiet_then_busy():
+        async with httpx.AsyncClient(timeout=30) as c:
+            quiet = [await post(c, gw.url, 8) for _ in range(6)]
+            await asyncio.sleep(1.0)
+            st = stats(gw)
+            busy = await asyncio.gather(*(post(c, gw.url, 256) for _ in range(12)))
+            return quiet, st, busy
+
+    try:
+        time.sleep(1.0)  # the prober marks the shadow healthy
+        quiet, st_quiet, busy = asyncio.run(quiet_then_busy())
+        time.sleep(1.0)
+        st = stats(gw)
+    finally:
+        gw.stop()
+    assert quiet == [200] * 6 and busy == [200] * 12
+    assert st_quiet["mirrored"] == 6 and st_quiet["dropped_primary_busy"] == 0
+    busy_mirrored = st["mirrored"] - 6
+    assert st["dropped_primary_busy"] >= 6 and busy_mirrored + st["dropped_primary_busy"] == 12, st
+    assert st["dropped_busy"] == st["dropped_down"] == st["dropped_primary_saturated"] == 0
+
+
+def test_a_saturated_primary_replica_makes_the_mirror_drop(tmp_path):
+    """The replica's own report (vLLM's waiting queue, as scraped) marks the primary busy: a one-sequence
+    primary flooded with requests queues them and the next request is not mirrored; once the queue has
+    drained and been scraped again, requests are mirrored."""
+    primary = SimProcess(port=free_port(), gpu="A100-80G", model=MODEL, time_scale=5.0, extra={"max_num_seqs": 1},
+                         log_path=tmp_path / "p.log")
+    shadow = SimProcess(port=free_port(), gpu="A100-80G", model=MODEL, served_name=SHADOW_MODEL, time_scale=20.0,
+                        log_path=tmp_path / "s.log")
+    for s in (primary, shadow):
+        s.start()
+    gw = None
+    try:
+        for s in (primary, shadow):
+            s.wait_ready(120)
+        gw = gateway(tmp_path, primary.base_url, shadow.base_url, tmp_path / "ledger.jsonl",
+                     shadow={"max_inflight": 64, "timeout_s": 30.0})
+        time.sleep(1.0)  # the prober marks both healthy
+
+        async def flood_then_probe():
+            async with httpx.AsyncClient(timeout=60) as c:
+                flood = [asyncio.create_task(post(c, gw.url, 256)) for _ in range(6)]
+                await asyncio.sleep(1.5)  # queued inside the sim (one runs at a time) and scraped every 0.5 s
+                saturated = await post(c, gw.url, 1)
+                st_saturated = stats(gw)
+                statuses = await asyncio.gather(*flood)
+                await asyncio.sleep(1.5)  # drained, scraped again
+                quiet = await post(c, gw.url, 1)
+                return saturated, st_saturated, statuses, quiet, stats(gw)
+
+        saturated, st_sat, flood, quiet, st = asyncio.run(flood_then_probe())
+    finally:
+        if gw:
+            gw.stop()
+        primary.stop()
+        shadow.stop()
+    assert saturated == quiet == 200 and flood == [200] * 6
+    assert st_sat["mirrored"] == 6 and st_sat["dropped_primary_saturated"] == 1, st_sat  # the probe was dropped
+    assert st["mirrored"] == 7 and st["dropped_primary_saturated"] == 1, st  # the quiet one was mirrored
+
+
+def test_shadow_work_is_never_counted_against_tenant_limits(sims, tmp_path):
+    """Every request mirrored (the mirror even runs before admission), yet the tenant's rpm counts each
+    request once: 6 pass, the 7th is shed for rpm; the ledger books the tenant's 7 requests only."""
+    from usefulwork.gateway.tenants import hash_key
+
+    primary, shadow = sims
+    ledger = tmp_path / "ledger.jsonl"
+    gw = gateway(tmp_path, primary.base_url, shadow.base_url, ledger, filters=("mirror", "admission"),
+                 shadow={"max_inflight": 64, "timeout_s": 30.0},
+                 tenants={"acme": {"key_hashes": [hash_key("k-acme")], "rpm": 6}},
+                 access={"admin_key_hashes": [hash_key("k-admin")]})
+
+    async def seven():
+        async with httpx.AsyncClient(timeout=30) as c:
+            return [await post(c, gw.url, 8, key="k-acme") for _ in range(7)]
+
+    try:
+        time.sleep(1.0)
+        statuses = asyncio.run(seven())
+        time.sleep(1.0)
+        st = stats(gw, "k-admin")
+    finally:
+        gw.stop()
+    assert statuses == [200] * 6 + [429]
+    assert st["mirrored"] == 7 and st["ok"] >= 6  # the shadow copies were really made and answered
+    recs = ledger_records(ledger)
+    assert len(recs) == 7 and {r["tenant"] for r in recs} == {"acme"}
+    assert sorted(r["outcome"] for r in recs) == ["ok"] * 6 + ["shed"]
+    assert {r["pool"] for r in recs if r["outcome"] == "ok"} == {"primary"}  # no shadow (candidate) work booked

@@ -120,3 +120,25 @@ def test_paired_replay_of_baseline_against_itself_says_no_difference(two_setups,
                      "--resamples", "400", "--speed", "2", "--no-embedding", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["comparison"]["verdict"].startswith("verdict: no difference"), data["comparison"]["verdict"]
+
+
+@pytest.mark.slow
+def test_an_interrupted_paired_replay_writes_what_it_has(two_setups, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    fast, slow, log = two_setups
+    out = tmp_path / "partial.json"
+    proc = subprocess.Popen([sys.executable, "-m", "usefulwork.cli", "replay", str(log), "--baseline", fast.base_url,
+                             "--candidate", slow.base_url, "--speed", "0.5", "--no-embedding", "--resamples", "100",
+                             "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    time.sleep(6.0)  # the log spans ~8 s; at speed 0.5 the main pass takes ~16 s
+    proc.send_signal(signal.SIGINT)
+    text = proc.communicate(timeout=120)[0].decode()
+    assert proc.returncode == 130, text
+    data = json.loads(out.read_text())
+    assert data["interrupted"] is True and data["meta"]["noise_pass"] is False
+    assert 0 < data["baseline"]["num_prompts"] == data["candidate"]["num_prompts"] < 80
+    assert "Traceback" not in text

@@ -53,13 +53,17 @@ def test_mooncake_export_reads_back_and_keeps_shared_prefixes():
     assert [p.input_tokens for p in parsed] == [600, 900]
 
 
-def test_an_unreachable_target_is_a_clear_error(tmp_path, capsys):
+@pytest.mark.parametrize("mode", ["target", "paired"])
+def test_an_unreachable_target_is_a_clear_error_and_bad_lines_are_printed(tmp_path, capsys, mode):
     log = tmp_path / "t.jsonl"
-    log.write_text(json.dumps(rec(1.0)) + "\n")
-    rc = cli_main(["replay", str(log), "--target", f"http://127.0.0.1:{free_port()}"])
+    log.write_text(json.dumps(rec(1.0)) + "\n" + '{"v": 1, "ts": 2.0, "op": "comp\n')
+    dead = f"http://127.0.0.1:{free_port()}"
+    urls = ["--target", dead] if mode == "target" else ["--baseline", dead, "--candidate", dead]
+    rc = cli_main(["replay", str(log), *urls])
     assert rc == 2
     err = capsys.readouterr().err
-    assert "unreachable" in err and "Traceback" not in err
+    assert "unreachable" in err and dead in err and "Traceback" not in err
+    assert f"{log}:2: not valid JSON (truncated?)" in " ".join(err.split())  # the skipped line, by number
 
 
 @pytest.fixture(scope="module")

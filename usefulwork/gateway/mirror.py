@@ -11,12 +11,19 @@ task and calls ``next`` at once; nothing the shadow does (refuse, stall, fail, o
 primary's reply. The shadow copy carries the shadow pool's first model name, goes through its own
 ``Forwarder`` (picker, leases, replica health of the shadow pool only), has its own context that is
 never handed to the accountant (never billed to a tenant, never counted against limits) and is cut at
-``shadow.timeout_s``. Shadow work is dropped first: when ``shadow.max_inflight`` shadow requests are
-already running, or no shadow replica is usable, the request is simply not mirrored (counted).
+``shadow.timeout_s``. Shadow work is dropped first: a request is simply not mirrored (counted by reason)
+when the primary pool is busy, judged from the primary's own load signal at the moment the request
+arrives: ``dropped_primary_busy`` when the gateway's in-flight leases on the primary pool reach
+``shadow.busy_inflight_per_replica`` per healthy replica, ``dropped_primary_saturated`` when a primary
+replica reports saturation as last scraped (the admission filter's test: vLLM's waiting queue above a
+quarter of its running requests, or KV-cache usage above ``admission.kv_high``); ``dropped_busy`` when
+``shadow.max_inflight`` shadow requests are already running; ``dropped_down`` when no shadow replica is
+usable.
 Each shadow request's result is written as a traffic-log record (``usefulwork.gateway.recording``) to
 ``shadow.dir`` with ``shadow_of`` = the primary's request id, so it joins the primary's record
 (redacted when ``record.redact`` is on); ``usefulwork replay LOG --shadow-log DIR`` compares the two.
-Counts: ``stats()`` and the OTel counter ``usefulwork.shadow.requests`` (attribute ``result``).
+Counts: ``stats()`` and the OTel counter ``usefulwork.shadow.requests`` (attribute ``result``: ``mirrored``,
+``ok``, ``failed`` or the drop reason).
 """
 
 from __future__ import annotations
@@ -46,6 +53,12 @@ class ShadowCfg(BaseModel):
     max_inflight: int = Field(8, gt=0, description="Shadow requests running at once; beyond this, not mirrored.")
     timeout_s: float = Field(60.0, gt=0, description="A shadow request still running after this long is cut.")
     dir: str = Field("traffic-shadow", description="Directory of the shadow requests' traffic log.")
+    busy_inflight_per_replica: float | None = Field(
+        None, gt=0, description="Not mirrored while the gateway has this many requests in flight per healthy "
+        "replica of the primary pool (its leases, the request itself not counted); None: no such limit.")
+    drop_when_saturated: bool = Field(
+        True, description="Not mirrored while a primary replica reports saturation as last scraped (the "
+        "admission filter's test: waiting > max(1, running/4), or KV-cache usage > admission.kv_high).")
 
 
 class MirrorFilter:
@@ -67,10 +80,14 @@ class MirrorFilter:
         self.model = pool.cfg.models[0]
         self.forward = Forwarder(services.fleet, build_pickers(services.cfg, services.fleet))
         self.tasks: set[asyncio.Task] = set()
-        self.counts = {"mirrored": 0, "ok": 0, "failed": 0, "dropped_busy": 0, "dropped_down": 0}
+        self.fleet = services.fleet
+        self.kv_high = services.cfg.admission.kv_high
+        self.counts = {"mirrored": 0, "ok": 0, "failed": 0, "dropped_primary_busy": 0,
+                       "dropped_primary_saturated": 0, "dropped_busy": 0, "dropped_down": 0}
         self._counter = None if services.meter is None else services.meter.create_counter(
             "usefulwork.shadow.requests", unit="{request}",
-            description="Mirrored requests by result: ok, failed, dropped_busy, dropped_down.")
+            description="Mirrored requests by result: mirrored, ok, failed, or why one was not mirrored "
+                        "(dropped_primary_busy, dropped_primary_saturated, dropped_busy, dropped_down).")
         self.log = TrafficLog(RecordCfg(dir=cfg.dir, redact=services.cfg.record.redact))
         self._rand = random.random
 
@@ -87,7 +104,25 @@ class MirrorFilter:
                 log.exception("mirroring failed")
         return await next(call)
 
+    def _primary_busy(self, call: Call) -> str | None:
+        """Why the primary pool is too busy to spare work for the shadow now (None: it is not)."""
+        pool = call.pool or self.fleet.pool_for_model(call.ctx.model)
+        if pool is None or pool is self.pool:
+            return None
+        replicas = pool.healthy_replicas()
+        limit = self.cfg.busy_inflight_per_replica
+        if limit is not None and sum(r.inflight for r in replicas) >= limit * max(1, len(replicas)):
+            return "dropped_primary_busy"
+        if self.cfg.drop_when_saturated and any(
+                r.waiting > max(1.0, 0.25 * r.running) or r.kv_usage > self.kv_high for r in replicas):
+            return "dropped_primary_saturated"
+        return None
+
     def _mirror(self, call: Call) -> None:
+        busy = self._primary_busy(call)
+        if busy is not None:
+            self._count(busy)
+            return
         if len(self.tasks) >= self.cfg.max_inflight:
             self._count("dropped_busy")
             return

@@ -95,6 +95,9 @@ class _StreamError(Exception):
     pass
 
 
+StreamError = _StreamError  # a malformed or failed stream (the replay's sender raises it too)
+
+
 async def _stream(client: httpx.AsyncClient, url: str, body: bytes, headers: dict[str, str],
                   res: RequestResult, t_send: float, clock0: float) -> None:
     async with client.stream("POST", url, content=body, headers=headers) as resp:
@@ -117,34 +120,43 @@ async def _stream(client: httpx.AsyncClient, url: str, body: bytes, headers: dic
                 # disconnect to the server (and to a gateway's ledger).
                 done = True
                 continue
-            try:
-                obj = orjson.loads(payload)
-            except orjson.JSONDecodeError:
-                raise _StreamError(f"unparseable SSE data: {payload[:120]!r}") from None
-            if "error" in obj:
-                err = obj["error"]
-                raise _StreamError(f"error event: {err.get('message', err) if isinstance(err, dict) else err}")
-            now = time.perf_counter()
-            choices = obj.get("choices")
-            if choices and _has_text(choices[0]):
-                if res.text is not None:
-                    c = choices[0]
-                    res.text.append(c.get("text") or (c.get("delta") or {}).get("content") or "")
-                if res.chunks == 0:
-                    res.ttft = now - t_send
-                else:
-                    res.itl.append(now - last)
-                last = now
-                res.chunks += 1
-            usage = obj.get("usage")
-            if usage:
-                res.usage_seen = True
-                res.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-                res.output_tokens = int(usage.get("completion_tokens") or 0)
-        if not done and not res.usage_seen:
-            raise _StreamError("stream ended before [DONE]")
-        if not res.usage_seen:
-            res.output_tokens = res.chunks  # best effort: one token per chunk
+            last = note_event(res, payload, time.perf_counter(), t_send, last)
+        finish_stream(res, done)
+
+
+def note_event(res: RequestResult, payload: str | bytes, now: float, t_send: float, last: float) -> float:
+    """Account one SSE ``data:`` payload (not ``[DONE]``) arrived at ``now``; returns the new last-token time."""
+    try:
+        obj = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        raise _StreamError(f"unparseable SSE data: {payload[:120]!r}") from None
+    if "error" in obj:
+        err = obj["error"]
+        raise _StreamError(f"error event: {err.get('message', err) if isinstance(err, dict) else err}")
+    choices = obj.get("choices")
+    if choices and _has_text(choices[0]):
+        if res.text is not None:
+            c = choices[0]
+            res.text.append(c.get("text") or (c.get("delta") or {}).get("content") or "")
+        if res.chunks == 0:
+            res.ttft = now - t_send
+        else:
+            res.itl.append(now - last)
+        last = now
+        res.chunks += 1
+    usage = obj.get("usage")
+    if usage:
+        res.usage_seen = True
+        res.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+        res.output_tokens = int(usage.get("completion_tokens") or 0)
+    return last
+
+
+def finish_stream(res: RequestResult, done: bool) -> None:
+    if not done and not res.usage_seen:
+        raise _StreamError("stream ended before [DONE]")
+    if not res.usage_seen:
+        res.output_tokens = res.chunks  # best effort: one token per chunk
 
 
 def retry_after(headers: httpx.Headers) -> float | None:

@@ -34,7 +34,6 @@ from typing import Any, Callable
 
 import numpy as np
 
-from usefulwork.loadtest import client as client_mod
 from usefulwork.loadtest.client import RequestResult
 from usefulwork.loadtest.metrics import SLOSpec, is_good
 from usefulwork.loadtest.replay import ReplaySpec, ReplayWorkload
@@ -58,38 +57,42 @@ class Pass:
 
 async def paired_pass(workload: ReplayWorkload, a: Target, b: Target, *, timeout_s: float = 120.0,
                       seed: int = 0) -> Pass:
-    """Send every request to both targets at its planned time, the order of the two drawn at random."""
+    """Send every request to both targets at its planned time, the order of the two drawn at random.
+
+    Through the replay's lean sender (``replay_send``): both sides' requests are encoded before the
+    clock starts and fired from one timer loop, so neither side's sends wait on the other's CPU work.
+    """
+    from usefulwork.loadtest import replay_send as rs  # noqa: PLC0415
+
     rng = np.random.default_rng(seed)
-    http_a, http_b = client_mod.make_client(), client_mod.make_client()
-    specs = workload.specs()
+    send_a = rs.Sender(a, timeout_s=timeout_s, keep_text=True)
+    send_b = rs.Sender(b, timeout_s=timeout_s, keep_text=True)
+    pairs = [(send_a.prepare(s), send_b.prepare(s), bool(rng.random() < 0.5)) for s in workload.specs()]
     tasks: list[tuple[asyncio.Task, asyncio.Task]] = []
-    wall0 = time.time()
-    clock0 = time.perf_counter()
     interrupted = False
 
-    def launch(http, t: Target, spec: ReplaySpec) -> asyncio.Task:
-        return asyncio.create_task(client_mod.send(http, t.base_url, spec, t.model, timeout_s=timeout_s,
-                                                   clock0=clock0, planned=spec.at, api_key=t.api_key,
-                                                   keep_text=True))
+    def launch(pair) -> None:
+        pa, pb, a_first = pair
+        if a_first:
+            ta = asyncio.create_task(send_a.send(pa, clock0))
+            tb = asyncio.create_task(send_b.send(pb, clock0))
+        else:
+            tb = asyncio.create_task(send_b.send(pb, clock0))
+            ta = asyncio.create_task(send_a.send(pa, clock0))
+        tasks.append((ta, tb))
 
+    unfreeze = rs.quiet_gc()
+    wall0 = time.time()
+    clock0 = time.perf_counter()
     try:
-        for spec in specs:
-            delay = clock0 + spec.at - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            if rng.random() < 0.5:
-                ta = launch(http_a, a, spec)
-                tb = launch(http_b, b, spec)
-            else:
-                tb = launch(http_b, b, spec)
-                ta = launch(http_a, a, spec)
-            tasks.append((ta, tb))
+        await rs.fire_on_schedule(pairs, _due, launch, clock0)
         pending = [t for pair in tasks for t in pair]
         if pending:
             await asyncio.wait(pending, timeout=timeout_s + 1.0)
     except asyncio.CancelledError:
         interrupted = True
     finally:
+        unfreeze()
         for pair in tasks:
             for t in pair:
                 if not t.done():
@@ -97,14 +100,18 @@ async def paired_pass(workload: ReplayWorkload, a: Target, b: Target, *, timeout
         left = [t for pair in tasks for t in pair if not t.done()]
         if left:
             await asyncio.wait(left, timeout=5.0)
-        await http_a.aclose()
-        await http_b.aclose()
+        send_a.close()
+        send_b.close()
     pa, pb = [], []
     for ta, tb in tasks:
         if ta.done() and not ta.cancelled() and tb.done() and not tb.cancelled():
             pa.append(ta.result())
             pb.append(tb.result())
     return Pass(a=pa, b=pb, wall_start=wall0, interrupted=interrupted)
+
+
+def _due(pair) -> float:
+    return pair[0].spec.at
 
 
 # -- per-request columns --------------------------------------------------------------------------

@@ -2,13 +2,13 @@
 
 - ``read_log``: the records of a log file, or of every ``*.jsonl`` in a log directory in name order
   (rotation order). A truncated or malformed line is reported as ``file:line: what is wrong`` and skipped.
-- ``ReplayWorkload``: a timed loadtest workload (``usefulwork.loadtest.runner`` sends it at the recorded
-  offsets divided by ``speed``). A recorded body is sent as it was (forced to stream, asking for usage,
+- ``ReplayWorkload``: a timed workload (the recorded offsets divided by ``speed``). A recorded body is sent as it was (forced to stream, asking for usage,
   model replaced when ``--model`` is given); a redacted record is sent as synthetic text of its recorded
   token length whose blocks follow its prefix-block hashes (``traces.TraceWorkload``: equal hash ids give
   equal text, so shared prefixes stay shared). Only chat and completions are replayed (what the loadtest
   client measures); other operations are counted as skipped.
-- ``replay``: one run through the loadtest ``Runner``; Ctrl-C stops sending and keeps what finished.
+- ``replay``: one run at the recorded times through the lean sender (``replay_send``: pre-encoded
+  requests, one timer loop, the gateway's HTTP/1.1 client); Ctrl-C stops sending and keeps what finished.
 - ``to_mooncake``: the log as a Mooncake trace (``timestamp`` ms, ``input_length``, ``output_length``,
   ``hash_ids`` renumbered 0, 1, ... in order of first use), readable by ``traces.parse_mooncake``,
   vllm bench, GuideLLM and AIPerf.
@@ -27,7 +27,8 @@ from typing import Any, Iterator
 import numpy as np
 
 from usefulwork.loadtest.metrics import percentile
-from usefulwork.loadtest.runner import LoadSpec, Runner, RunOutput, Target
+from usefulwork.loadtest.client import RequestResult
+from usefulwork.loadtest.runner import Counters, LoadSpec, RunOutput, Target
 from usefulwork.loadtest.traces import TraceRow, TraceWorkload
 from usefulwork.loadtest.workloads import WorkloadError
 
@@ -235,18 +236,77 @@ async def run_interruptible(coro) -> tuple[Any, bool]:
 
 async def replay(workload: ReplayWorkload, target: Target, *, timeout_s: float = 120.0,
                  observer=None) -> tuple[RunOutput, bool]:
-    """One replay through the loadtest runner; (output, interrupted). Interrupted: what finished is kept."""
-    load = LoadSpec(timeout_s=timeout_s, drain_s=timeout_s)
-    runner = Runner(target, workload, load, observer)
+    """One replay at the recorded (scaled) times; (output, interrupted). Interrupted: what finished is kept.
+
+    Requests in flight after the last send get up to ``timeout_s`` to finish (each has its own
+    ``timeout_s`` deadline anyway); ``observer`` (the loadtest's live display) gets the counters at 2 Hz.
+    """
+    from usefulwork.loadtest import replay_send as rs  # noqa: PLC0415
+
+    sender = rs.Sender(target, timeout_s=timeout_s)
+    prepared = [sender.prepare(s) for s in workload.specs()]  # all encoding done before the clock starts
+    counters = Counters()
+    results: list[RequestResult] = []
+    tasks: set[asyncio.Task] = set()
+    clock0 = 0.0  # set when the clock starts, below
+
+    def done(task: asyncio.Task) -> None:
+        tasks.discard(task)
+        counters.in_flight -= 1
+        if not task.cancelled():
+            res = task.result()
+            results.append(res)
+            if res.outcome == "ok":
+                counters.ok += 1
+                counters.output_tokens += res.output_tokens
+            else:
+                counters.dropped += 1
+
+    def launch(p) -> None:
+        counters.sent += 1
+        counters.in_flight += 1
+        task = asyncio.create_task(sender.send(p, clock0))
+        tasks.add(task)
+        task.add_done_callback(done)
+
+    async def run() -> None:
+        await rs.fire_on_schedule(prepared, _due, launch, clock0)
+        if tasks:
+            await asyncio.wait(set(tasks), timeout=timeout_s + 1.0)
+
+    observe = asyncio.create_task(_observe(observer, counters)) if observer else None
+    unfreeze = rs.quiet_gc()
     wall0 = time.time()
-    out, interrupted = await run_interruptible(runner.run())
-    if out is None:
-        await asyncio.sleep(0.05)  # let the cancelled requests' done-callbacks record them
-        results = sorted(runner.results, key=lambda r: (r.planned, r.index))
-        out = RunOutput(results=results, wall_start=wall0,
-                        wall_end=wall0 + max((r.end for r in results), default=0.0), load=load.describe(),
-                        workload=workload.describe(), target={"base_url": target.base_url, "model": target.model})
+    clock0 = time.perf_counter()
+    counters.started = clock0
+    try:
+        _, interrupted = await run_interruptible(run())
+    finally:
+        unfreeze()
+        for t in list(tasks):
+            t.cancel()
+        if tasks:
+            await asyncio.wait(set(tasks), timeout=5.0)
+        sender.close()
+        if observe:
+            observe.cancel()
+            observer(counters)
+    results.sort(key=lambda r: (r.planned, r.index))
+    load = LoadSpec(timeout_s=timeout_s, drain_s=timeout_s)
+    out = RunOutput(results=results, wall_start=wall0, wall_end=wall0 + max((r.end for r in results), default=0.0),
+                    load=load.describe(), workload=workload.describe(),
+                    target={"base_url": target.base_url, "model": target.model})
     return out, interrupted
+
+
+def _due(p) -> float:
+    return p.spec.at
+
+
+async def _observe(observer, counters: Counters) -> None:
+    while True:
+        observer(counters)
+        await asyncio.sleep(0.5)
 
 
 def recorded_figures(records: list[dict[str, Any]]) -> dict[str, float]:
