@@ -180,7 +180,7 @@ class ScaleOut(_Strict):
                                   "process keeps its own figures and attributes a replica's time alone).")
     prefix: str = Field("usefulwork:fleet", description="Prefix of the Redis keys.")
     publish_interval_s: float = Field(1.0, gt=0, description="How often a gateway publishes its live windows.")
-    gateway_ttl_s: float = Field(30.0, gt=0, description="A gateway silent this long is taken for dead: its "
+    gateway_ttl_s: float = Field(10.0, gt=0, description="A gateway silent this long is taken for dead: its "
                                  "figures leave the fleet view and its settlement frontier stops holding the "
                                  "fleet's back.")
 
