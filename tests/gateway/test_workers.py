@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import redis
 import yaml
 
 from tests.conftest import free_port
@@ -87,6 +88,9 @@ def test_workers_share_the_port_restart_and_drain_on_sigterm(sim, redis_url, tmp
         assert len(records) == 40 + 10 + 1 and {r["outcome"] for r in records} == {"ok"}
     finally:
         stop(gw)
+        r = redis.Redis.from_url(redis_url)
+        for key in r.scan_iter(f"{prefix}:*"):
+            r.delete(key)
 
 
 def test_sigterm_sheds_queued_requests_with_retry_after(sim, tmp_path):
