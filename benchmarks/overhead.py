@@ -155,8 +155,10 @@ def run_load_process(port: int, stream: bool, concurrency: int, duration: float,
 
 
 def cpu_seconds(pid: int) -> float:
+    """CPU time of the process and of its live children (the workers of `serve --workers N`)."""
     fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    kids = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") + sum(cpu_seconds(int(k)) for k in kids)
 
 
 def parse_variant(spec: str) -> tuple[str, Path, list[str]]:
@@ -208,6 +210,8 @@ def main() -> int:
     ap.add_argument("--client-core", default="1")
     ap.add_argument("--accounting", choices=["on", "off"], default="on",
                     help="off: a no-op accountant, to measure the proxy alone")
+    ap.add_argument("--workers", type=int, default=1,
+                    help="gateway worker processes (`usefulwork serve --workers N`; give --gateway-core room, e.g. 0,1)")
     ap.add_argument("--variant", action="append", default=[],
                     help="NAME=SRC_DIR[:filter+filter...]: a gateway to measure (repeatable; see the module doc)")
     ap.add_argument("--overlay", action="append", default=[],
@@ -220,6 +224,8 @@ def main() -> int:
     if args.gateway_child:
         gateway_child(args.gateway_child[0], int(args.gateway_child[1]), args.accounting)
         return 0
+    if args.workers > 1 and args.accounting == "off":
+        ap.error("--accounting off needs --workers 1 (the workers run `usefulwork serve`)")
     conc = [int(c) for c in args.concurrency.split(",")]
     variants = [parse_variant(v) for v in args.variant] or [("gateway", ROOT, [])]
     overlays = {name: text for name, _, text in (o.partition("=") for o in args.overlay)}
@@ -245,9 +251,10 @@ def main() -> int:
             cfg.write_text(json.dumps(cfg_tree))
             port = free_port()
             # The variant's own checkout provides both the gateway and its child entry point.
-            gw = subprocess.Popen(["taskset", "-c", args.gateway_core, sys.executable,
-                                   str(src / "benchmarks" / "overhead.py"), "--accounting", args.accounting,
-                                   "--gateway-child", str(cfg), str(port)],
+            child = ["-m", "usefulwork.cli", "serve", "--config", str(cfg), "--port", str(port), "--workers",
+                     str(args.workers)] if args.workers > 1 else \
+                [str(src / "benchmarks" / "overhead.py"), "--accounting", args.accounting, "--gateway-child", str(cfg), str(port)]
+            gw = subprocess.Popen(["taskset", "-c", args.gateway_core, sys.executable, *child],
                                   stdout=open(tmp / f"{name}.log", "wb"), stderr=subprocess.STDOUT,
                                   env={**os.environ, "PYTHONPATH": str(src)}, cwd=src)
             procs.append(gw)
@@ -285,8 +292,8 @@ def main() -> int:
     if args.json:
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     if args.markdown:
-        lines = [f"Command: `{meta['command']}`  ", f"Date: {meta['date']}; machine: {meta['machine']}; gateway: one "
-                 f"uvicorn worker pinned to core {args.gateway_core}; mock + load generator on core {args.client_core}; "
+        lines = [f"Command: `{meta['command']}`  ", f"Date: {meta['date']}; machine: {meta['machine']}; gateway: "
+                 f"{args.workers} uvicorn worker(s) pinned to core(s) {args.gateway_core}; mock + load generator on core {args.client_core}; "
                  f"{args.duration:.0f} s per point.", "",
                  "| variant | mode | conc. | direct req/s | gateway req/s | direct p50 / p99 ms | gateway p50 / p99 ms | added p50 ms | added p99 ms | gateway CPU us/req |",
                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]

@@ -42,6 +42,9 @@ class Listen(_Strict):
 
     host: str = Field("127.0.0.1", description="Listen address (0.0.0.0 for all interfaces).")
     port: int = Field(8080, ge=0, le=65535, description="Listen port.")
+    workers: int = Field(1, ge=1, description="Gateway processes sharing the port (`usefulwork serve --workers`): "
+                         "one SO_REUSEPORT socket each, a dead worker restarted; with `scale_out.redis_url` they "
+                         "behave as one gateway (docs/architecture.md, Scale-out).")
 
 
 class Limits(_Strict):
@@ -169,6 +172,19 @@ class TelemetryCfg(_Strict):
     record_prompts: bool = Field(False, description="Put prompt text on spans (off: privacy by default).")
 
 
+class ScaleOut(_Strict):
+    """Several gateway processes or replicas as one gateway: fleet-wide live stats and GPU-time books."""
+
+    redis_url: str | None = Field(None, description="Redis shared by every gateway process/replica for the "
+                                  "fleet-wide /usefulwork/stats and the shared GPU-time attribution (None: each "
+                                  "process keeps its own figures and attributes a replica's time alone).")
+    prefix: str = Field("usefulwork:fleet", description="Prefix of the Redis keys.")
+    publish_interval_s: float = Field(1.0, gt=0, description="How often a gateway publishes its live windows.")
+    gateway_ttl_s: float = Field(10.0, gt=0, description="A gateway silent this long is taken for dead: its "
+                                 "figures leave the fleet view and its settlement frontier stops holding the "
+                                 "fleet's back.")
+
+
 class Auth(_Strict):
     """Client API keys. Empty: no auth, every request is tenant "default"."""
 
@@ -186,6 +202,7 @@ class Config(_Strict):
     ledger: LedgerCfg = LedgerCfg()
     cost: CostCfg = CostCfg()
     telemetry: TelemetryCfg = TelemetryCfg()
+    scale_out: ScaleOut = ScaleOut()
     cache: CacheCfg = Field(CacheCfg(), description="Exact and semantic response caches (the `cache` filter).")
     tenants: dict[str, TenantCfg] = Field(default_factory=dict, description="Tenant name -> hashed keys, limits, budget, priority, weight (docs/admission.md).")
     access: AccessCfg = AccessCfg()

@@ -63,6 +63,26 @@ def fleet_metrics_text(fleet: Fleet) -> str:
     return "\n".join(lines) + "\n"
 
 
+def shed_queued(filters: list) -> int:
+    """Shutdown: answer every request still waiting in an admission queue (429 with Retry-After).
+
+    Called at the first SIGTERM/SIGINT (serve.py), before uvicorn's graceful wait: a queued request
+    has not started, so it is told to retry (on another replica) rather than held until the graceful
+    timeout cuts it. Running requests are not touched. Returns how many were shed.
+    """
+    n = 0
+    for f in filters:
+        for queue in getattr(f, "queues", {}).values():  # the admission filter's per-pool PoolQueue
+            for t in queue.expire(float("inf")):
+                t.shed_reason = "shutdown"
+                if t.waiter is not None and not t.waiter.done():
+                    t.waiter.set_result(False)
+                n += 1
+    if n:
+        log.warning("shutting down: shed %d queued requests with Retry-After", n)
+    return n
+
+
 class HotPaths:
     """Dispatch the OpenAI POST endpoints straight to their ASGI handlers; all else goes to Starlette.
 
@@ -181,4 +201,5 @@ def build_app(cfg: Config, client: httpx.AsyncClient | None = None) -> HotPaths:
     app.state.intake = intake
     app.state.filters = filters
     app.state.accounting = bundle
+    app.state.drain = lambda: shed_queued(filters)
     return HotPaths(app, endpoints)

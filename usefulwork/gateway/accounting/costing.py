@@ -92,6 +92,11 @@ class PoolMeter:
         self.idle_usd = 0.0
         self.closed = False
         self.closed_at: float | None = None
+        # shared (fleet-wide) books, docs/accounting.md "Several gateways": set by accounting/shared.py
+        self.pending: list[tuple[int, Share, float]] | None = None  # booked, not yet pushed to the fleet
+        self.floor_k = 0  # this gateway's published promise: it books nothing before interval floor_k
+        self.fleet_w: dict[int, float] = {}  # the fleet's work per open interval, as of the last sync
+        self.fleet_books: dict[str, float] | None = None  # the fleet's settled books, as of the last sync
 
     # -- time <-> interval index --
     def _k(self, t: float) -> int:
@@ -117,7 +122,7 @@ class PoolMeter:
         for a, b, w in spans:
             if w <= 0:
                 continue
-            lo = self.frontier
+            lo = self._t(max(self.settled_k, self.floor_k))
             if self.closed:
                 continue  # after shutdown's final settlement nothing can be paid any more
             if b <= lo:
@@ -138,6 +143,13 @@ class PoolMeter:
                 self._add(k, share, density * (hi - lo))
 
     def _add(self, k: int, share: Share, w: float) -> None:
+        if self.pending is not None:  # shared books: held until pushed (the fleet may move it later)
+            self.pending.append((k, share, w))
+            share.pending += 1
+            return
+        self._fold(k, share, w)
+
+    def _fold(self, k: int, share: Share, w: float, counted: bool = False) -> None:
         iv = self._open.get(k)
         if iv is None:
             iv = self._open[k] = _Interval()
@@ -145,7 +157,10 @@ class PoolMeter:
         if sid not in iv.shares:
             iv.shares[sid] = share
             iv.by_share[sid] = 0.0
-            share.pending += 1
+            if not counted:
+                share.pending += 1
+        elif counted:
+            share.pending -= 1  # counted once per pending entry, but the share was already in this interval
         iv.by_share[sid] += w
         iv.work += w
         iv.by_tenant[share.tenant] = iv.by_tenant.get(share.tenant, 0.0) + w
@@ -195,6 +210,48 @@ class PoolMeter:
         self.attributed_usd += usd - idle
         return Settled(self.name, start, end, usd, idle, by_tenant)
 
+    # -- shared books (several gateways; accounting/shared.py does the Redis side) --
+    def take_pending(self) -> tuple[list[tuple[int, Share, float]], dict[int, float]]:
+        """The entries booked since the last sync and their work per interval (to push)."""
+        entries, self.pending = self.pending or [], []
+        deltas: dict[int, float] = {}
+        for k, _, w in entries:
+            deltas[k] = deltas.get(k, 0.0) + w
+        return entries, deltas
+
+    def fold(self, entries: list[tuple[int, Share, float]], k_min: int) -> None:
+        """Pushed entries into the local intervals; those the fleet had settled meanwhile went to k_min."""
+        for k, share, w in entries:
+            self._fold(max(k, k_min), share, w, counted=True)
+
+    def settle_shared(self, k_new: int, fleet_w: dict[int, float], idle_ks: list[int]) -> list[Settled]:
+        """Settle local intervals before the fleet's ``k_new``: each share gets ``usd x w / W_k`` with the
+        fleet's total work ``W_k``; ``idle_ks`` are the idle intervals this gateway settled for the fleet."""
+        out: list[Settled] = []
+        usd = self.rate * self.dt
+        for k in sorted(j for j in self._open if j < k_new):
+            iv = self._open.pop(k)
+            total = fleet_w.get(k) or iv.work  # a pruned total (a gateway stuck for an hour): local work only
+            by_tenant: dict[str, float] = {}
+            paid = 0.0
+            for sid, share in iv.shares.items():
+                share.pending -= 1
+                part = usd * iv.by_share[sid] / total if total > 0 else 0.0
+                share.usd += part
+                paid += part
+                by_tenant[share.tenant] = by_tenant.get(share.tenant, 0.0) + part
+            self.attributed_usd += paid
+            out.append(Settled(self.name, self._t(k), self._t(k + 1), paid, 0.0, by_tenant))
+        for k in idle_ks:
+            self.idle_usd += usd
+            out.append(Settled(self.name, self._t(k), self._t(k + 1), usd, usd, {}))
+        self.settled_k = max(self.settled_k, k_new)
+        self.fleet_w = {k: w for k, w in fleet_w.items() if k >= self.settled_k}
+        return out
+
+    def open_ks(self) -> list[int]:
+        return sorted(self._open)
+
     # -- live (unsettled) view --
     def provisional(self, a: float, b: float) -> tuple[float, dict[str, float]]:
         """(idle $, $ by tenant) of the still-open part of [a, b], split by the work booked so far."""
@@ -211,11 +268,14 @@ class PoolMeter:
                 continue
             usd = self.rate * (e - s)
             iv = self._open.get(k)
-            if iv is None or iv.work <= 0:
+            total = iv.work if iv is not None else 0.0
+            if self.pending is not None:  # shared books: the fleet's work decides idle and shares
+                total = max(total, self.fleet_w.get(k, 0.0))
+            if total <= 0:
                 idle += usd
                 continue
-            for tenant, w in iv.by_tenant.items():
-                by_tenant[tenant] = by_tenant.get(tenant, 0.0) + usd * w / iv.work
+            for tenant, w in (iv.by_tenant.items() if iv is not None else ()):
+                by_tenant[tenant] = by_tenant.get(tenant, 0.0) + usd * w / total
         return idle, by_tenant
 
 

@@ -37,8 +37,9 @@ from usefulwork.upstream.fleet import Fleet
 from usefulwork.config import SLO, Config
 from usefulwork.gateway.context import RequestContext
 from usefulwork.gateway.accounting.costing import PoolMeter, Settled, Share, price_sheet_cost, request_spans, work_units
+from usefulwork.gateway.accounting.shared import SharedBooks, publish_loop
 from usefulwork.gateway.accounting.sinks import Sink
-from usefulwork.gateway.accounting.stats import FinishedRow, Stats
+from usefulwork.gateway.accounting.stats import FinishedRow, MergedStats, Stats
 from usefulwork.gateway.accounting.telemetry import Telemetry
 from usefulwork.gateway.accounting.tokens import TokenEstimator
 
@@ -143,6 +144,8 @@ class Ledger:
         self.records_dropped = 0
         self.finished = 0
         self.filter_stats: dict[str, Callable[[], dict]] = {}  # name -> the filter's stats() (set by the app)
+        self.shared: SharedBooks | None = None  # several gateways as one (scale_out.redis_url; accounting/shared.py)
+        self._publisher: asyncio.Task | None = None
 
     # -- the hot path: O(1), never blocks --
     def begin(self, ctx: RequestContext) -> None:
@@ -159,6 +162,11 @@ class Ledger:
 
     # -- lifecycle --
     async def start(self) -> None:
+        if self.shared is not None and self._task is None:
+            await self.shared.join(self.meters)  # the fleet's interval alignment, before any booking
+            self.stats.started_at = min((m.started_at for m in self.meters.values()), default=self.stats.started_at)
+            self._publisher = asyncio.create_task(publish_loop(
+                self.shared, self.raw, self.cfg.scale_out.publish_interval_s))
         if self._task is None:
             self._task = asyncio.create_task(self._loop(), name="usefulwork-ledger")
 
@@ -187,6 +195,8 @@ class Ledger:
                               "a write that timed out may still have landed (records carry an idempotency key)",
                               name, len(backlog), self._last_error.get(name, "none"))
         finally:
+            if self.shared is not None:
+                await self._leave_fleet()
             for sink in self.sinks:
                 try:
                     await sink.close()
@@ -242,7 +252,10 @@ class Ledger:
             finally:
                 self._queue.extendleft(reversed(batch[done:]))  # non-empty only when cancelled
                 self._enqueue(ready)
-        self._settle(final)
+        if self.shared is not None:
+            await self._settle_shared(final)
+        else:
+            self._settle(final)
         if write:
             await self._write_sinks()
 
@@ -308,6 +321,40 @@ class Ledger:
         settled: list[Settled] = []
         for meter in self.meters.values():
             settled.extend(meter.settle_all(now) if final else meter.settle(self.frontier(now)))
+        self._release(settled)
+
+    async def _settle_shared(self, final: bool) -> None:
+        """Shared books (several gateways): push work, publish the frontier, settle what the fleet settled."""
+        now = self.clock()
+        settled: list[Settled] = []
+        try:
+            if final:
+                settled = await self.shared.leave(self.meters, now)
+            else:
+                frontier = self.frontier(now)
+                for meter in self.meters.values():
+                    settled += await self.shared.sync(meter, frontier, now=now)
+        except Exception as exc:  # noqa: BLE001 - Redis down: records wait (bounded by the sinks' backlog)
+            log.warning("shared GPU books: sync failed (%r)%s", exc, "; settling alone" if final else "")
+            if final:  # never lose a record at shutdown: this gateway's shares by its own work only
+                for meter in self.meters.values():
+                    entries, _ = meter.take_pending()
+                    meter.pending = None
+                    meter.fold(entries, meter.settled_k)
+                    settled += meter.settle_all(now)
+        self._release(settled)
+
+    async def _leave_fleet(self) -> None:
+        if self._publisher is not None:
+            self._publisher.cancel()
+            await asyncio.gather(self._publisher, return_exceptions=True)
+        try:
+            await self.shared.withdraw()
+        except Exception:  # noqa: BLE001
+            log.warning("could not withdraw this gateway's live windows (they expire)")
+        await self.shared.close()
+
+    def _release(self, settled: list[Settled]) -> None:
         if settled:
             self.stats.add_settled(settled)
             if self.telemetry is not None:
@@ -352,17 +399,40 @@ class Ledger:
             self.written[sink.name] += len(batch)
 
     # -- reads (event loop) --
-    def snapshot(self, with_series: bool = False) -> dict:
-        out = self.stats.snapshot(self.clock(), with_series)
-        out["ledger"] = {
+    def _counters(self) -> dict:
+        return {
             "finished": self.finished,
             "queued": len(self._queue),
             "held_for_settlement": len(self._held),
             "records_written": dict(self.written),
             "records_dropped": self.records_dropped,
-            "sinks": [s.name for s in self.sinks],
-            "token_estimator": self.estimator.method,
         }
+
+    def raw(self) -> dict:
+        return {**self.stats.raw(self.clock()), "ledger": self._counters()}
+
+    def snapshot(self, with_series: bool = False, raws: list[dict] | None = None) -> dict:
+        """This process's figures, or (``raws``: the gateways' published ones) the fleet's."""
+        if raws is None:
+            out = self.stats.snapshot(self.clock(), with_series)
+            out["ledger"] = self._counters()
+            out["scope"] = "replica" if self.shared is not None else "process"
+        else:
+            out = MergedStats(self.meters, raws).snapshot(self.clock(), with_series)
+            led: dict = {"finished": 0, "queued": 0, "held_for_settlement": 0, "records_written": {},
+                         "records_dropped": 0}
+            for r in raws:
+                for k, v in r["ledger"].items():
+                    if isinstance(v, dict):
+                        for sink, n in v.items():
+                            led[k][sink] = led[k].get(sink, 0) + n
+                    else:
+                        led[k] += v
+            out["ledger"] = led
+            out["scope"] = "fleet"
+            out["gateways"] = len(raws)
+        out["ledger"]["sinks"] = [s.name for s in self.sinks]
+        out["ledger"]["token_estimator"] = self.estimator.method
         if self.filter_stats:
             out["filters"] = {name: stats() for name, stats in self.filter_stats.items()}
         out["slo"] = self.cfg.slo.model_dump()

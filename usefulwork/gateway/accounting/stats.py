@@ -218,18 +218,25 @@ class Stats:
             usd += self._provisional(name, a, b)[1].get(tenant, 0.0)
         return usd
 
+    def _vec(self, kind: str, name: str | None, b_now: int, n: int | None, label: str) -> np.ndarray:
+        """A scope's counters over the window of ``n`` buckets ending at ``b_now`` (``label``: its name)."""
+        ring = self.fleet if kind == "fleet" else (self.pools if kind == "pool" else self.tenants)[name]
+        return ring.window(b_now, n)
+
+    def _svec(self, kind: str, name: str | None, b: int, trailing: int) -> np.ndarray:
+        """A scope's counters over the ``trailing`` buckets ending at ``b`` (a series point)."""
+        return self._vec(kind, name, b, trailing, "")
+
     def windows(self, kind: str, name: str | None, now: float) -> dict:
         out = {}
         for label, n in WINDOWS.items():
             b_now, a = self._span(now, n)
+            v = self._vec(kind, name, b_now, n, label)
             if kind == "fleet":
-                v = self.fleet.window(b_now, n)
                 cost, idle = self._gpu(self.meters, a, now, v)
             elif kind == "pool":
-                v = self.pools[name].window(b_now, n)
                 cost, idle = self._gpu([name], a, now, v)
             else:
-                v = self.tenants[name].window(b_now, n)
                 cost, idle = self._tenant_usd(name, a, now, v), 0.0
             out[label] = _figures(v, cost, idle, now - max(a, self.started_at or a))
         return out
@@ -247,7 +254,7 @@ class Stats:
             a = (b - trailing + 1) * BUCKET_S
             if self.started_at is None or t_end <= self.started_at:
                 continue
-            v = self.fleet.window(b, trailing)
+            v = self._svec("fleet", None, b, trailing)
             cost = sum(m.cost_between(a, t_end) for m in self.meters.values())
             f = _figures(v, cost, 0.0, t_end - a)
             out["t"].append(round(t_end, 3))
@@ -258,8 +265,8 @@ class Stats:
             out["dropped"].append(f["dropped"])
             out["requests"].append(f["requests"])
             out["cache_hit_share"].append(f["cache"]["hit_share"])
-            for p, ring in self.pools.items():
-                n = ring.window(b, trailing)[C["requests"]]
+            for p in self.pools:
+                n = self._svec("pool", p, b, trailing)[C["requests"]]
                 shares[p].append(float(n / v[C["requests"]]) if v[C["requests"]] > 0 else None)
         out["route_share"] = shares
         return out
@@ -277,6 +284,32 @@ class Stats:
             }
         tot = {k: sum(p[k] for p in pools.values()) for k in ("cost_usd", "attributed_usd", "idle_usd")}
         return {"pools": pools, **tot}
+
+    def raw(self, now: float, points: int = 60, step_buckets: int = 2, trailing: int = 12) -> dict:
+        """This process's counters, for the fleet-wide merge (``MergedStats``): every window of every
+        scope, and the series points; a tenant's ``attributed_usd`` includes its provisional share."""
+        self._memo = {}
+        b_now = int(now // BUCKET_S)
+
+        def wins(kind: str, name: str | None) -> dict:
+            out = {}
+            for label, n in WINDOWS.items():
+                v = self._vec(kind, name, b_now, n, label)
+                if kind == "tenant":
+                    v = v.copy()
+                    v[C["attributed_usd"]] = self._tenant_usd(name, self._span(now, n)[1], now, v)
+                out[label] = v.tolist()
+            return out
+
+        def series(kind: str, name: str | None) -> list:
+            return [self._svec(kind, name, b_now - i * step_buckets, trailing).tolist() for i in range(points)]
+
+        out = {"b": b_now, "started_at": self.started_at,
+               "fleet": {"w": wins("fleet", None), "s": series("fleet", None)},
+               "pools": {p: {"w": wins("pool", p), "s": series("pool", p)} for p in self.pools},
+               "tenants": {t: {"w": wins("tenant", t)} for t in self.tenants}}
+        self._memo = {}
+        return out
 
     def snapshot(self, now: float, with_series: bool = False) -> dict:
         self._memo = {}
@@ -302,3 +335,52 @@ class Stats:
         self._memo = {}
         return out
 
+
+
+class MergedStats(Stats):
+    """The fleet's windows: the sum of the live gateways' published ``Stats.raw`` (accounting/shared.py).
+
+    GPU cost is still time-based from this process's meters (the pools' shared start), idle is the
+    sum of the idle intervals each gateway settled for the fleet plus the open part's idle by the
+    fleet's work; tenants' dollars are the sums of their published shares.
+    """
+
+    def __init__(self, meters: dict[str, PoolMeter], raws: list[dict]):
+        super().__init__(meters)
+        self.raws = raws
+        self.pools = {p: None for r in raws for p in r["pools"]}  # type: ignore[misc] (names only)
+        self.tenants = {t: None for r in raws for t in r["tenants"]}  # type: ignore[misc]
+        starts = [r["started_at"] for r in raws if r.get("started_at") is not None]
+        if starts:
+            self.started_at = min(starts + ([self.started_at] if self.started_at is not None else []))
+
+    def _scope(self, r: dict, kind: str, name: str | None) -> dict | None:
+        return r["fleet"] if kind == "fleet" else r["pools" if kind == "pool" else "tenants"].get(name)
+
+    def _vec(self, kind: str, name: str | None, b_now: int, n: int | None, label: str) -> np.ndarray:
+        v = np.zeros(len(COLUMNS))
+        for r in self.raws:
+            sc = self._scope(r, kind, name)
+            if sc is not None:
+                v += np.asarray(sc["w"][label])
+        return v
+
+    def _svec(self, kind: str, name: str | None, b: int, trailing: int, step_buckets: int = 2) -> np.ndarray:
+        v = np.zeros(len(COLUMNS))
+        for r in self.raws:
+            sc = self._scope(r, kind, name)
+            if sc is None:
+                continue
+            j = round((r["b"] - b) / step_buckets)  # the publisher's nearest point (clocks a bucket apart)
+            if 0 <= j < len(sc["s"]):
+                v += np.asarray(sc["s"][j])
+        return v
+
+    def _tenant_usd(self, tenant: str, a: float, b: float, v: np.ndarray) -> float:
+        return float(v[C["attributed_usd"]])  # provisional shares are in the published figures
+
+    def conservation(self) -> dict:
+        """The fleet's books (Redis, as of this gateway's last sync)."""
+        pools = {name: dict(m.fleet_books) for name, m in self.meters.items() if m.fleet_books is not None}
+        tot = {k: sum(p[k] for p in pools.values()) for k in ("cost_usd", "attributed_usd", "idle_usd")}
+        return {"pools": pools, **tot}

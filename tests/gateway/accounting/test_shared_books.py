@@ -1,0 +1,74 @@
+"""Shared GPU-time books on real Redis: three gateways' meters in one process, random work, random
+sync order, late bookings, a gateway leaving early and one going silent: conserved to 1e-6."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import uuid
+
+import redis
+
+from usefulwork.config import ScaleOut
+from usefulwork.gateway.accounting.costing import PoolMeter, Share
+from usefulwork.gateway.accounting.shared import SharedBooks
+
+DT = 0.5
+RATE = 3.6  # $/h
+
+
+def test_three_meters_conserve_with_late_work_and_leaving_gateways(redis_url):
+    prefix = f"usefulwork:test14b:{uuid.uuid4().hex[:8]}"
+    rng = random.Random(7)
+
+    async def main() -> tuple[dict, list[Share], list[PoolMeter]]:
+        cfg = ScaleOut(redis_url=redis_url, prefix=prefix, gateway_ttl_s=2.0)
+        books = [SharedBooks(cfg, DT) for _ in range(3)]
+        t0 = 1_000_000.0
+        meters = [PoolMeter("p", RATE, t0 + i * 0.123, DT) for i in range(3)]  # different local starts
+        for b, m in zip(books, meters):
+            await b.join({"p": m})
+        assert len({m.started_at for m in meters}) == 1  # the fleet's alignment
+        shares: list[Share] = []
+        now = t0
+        for step in range(60):
+            now += DT * rng.uniform(0.3, 1.5)
+            for i, (b, m) in enumerate(zip(books, meters)):
+                if (i == 2 and step >= 40) or (i == 1 and step > 30):
+                    continue  # 2 goes silent (its floor expires after gateway_ttl_s of Redis time); 1 has left
+                for _ in range(rng.randint(0, 4)):
+                    s = Share(key=len(shares), tenant=rng.choice("ab"))
+                    a = now - rng.uniform(0, 6)  # some start before the fleet's frontier: booked late
+                    m.book(s, [(a, a + rng.uniform(0, 2), rng.uniform(1, 50)), (a + 2, now, rng.uniform(0, 80))])
+                    shares.append(s)
+                if i == 1 and step == 30:
+                    await b.leave({"p": m}, now)  # stops early, while the others keep booking
+                    continue
+                await b.sync(m, now - rng.uniform(0, 3), now=now)
+            if step == 40:
+                await asyncio.sleep(2.2)  # gateway 2's floor is now stale
+        await books[0].leave({"p": meters[0]}, now + 1)
+        for _ in range(5):  # back from silence with late work: it moves to the first open interval, conserved
+            s = Share(key=len(shares), tenant="a")
+            meters[2].book(s, [(now - 20, now - 10, 30.0)])
+            shares.append(s)
+        await books[2].leave({"p": meters[2]}, now + 2)
+        for b in books:
+            await b.close()
+        return meters[0].fleet_books, shares, meters
+
+    try:
+        fleet, shares, meters = asyncio.run(main())
+        raw = {k.decode(): float(v) for k, v in
+               redis.Redis.from_url(redis_url).hgetall(f"{prefix}:gpu:{{p}}:books").items()}
+    finally:
+        r = redis.Redis.from_url(redis_url)
+        for key in r.scan_iter(f"{prefix}:*"):
+            r.delete(key)
+    assert all(s.pending == 0 for s in shares) and len(shares) > 200
+    paid = sum(s.usd for s in shares)
+    assert abs(raw["attributed_usd"] + raw["idle_usd"] - raw["cost_usd"]) < 1e-6, raw
+    assert abs(paid - raw["attributed_usd"]) < 1e-6
+    assert abs(raw["cost_usd"] - raw["settled_k"] * DT * RATE / 3600) < 1e-9
+    assert raw["idle_usd"] > 0 and paid > 0
+    assert sum(m.attributed_usd for m in meters) == paid or abs(sum(m.attributed_usd for m in meters) - paid) < 1e-9
