@@ -207,7 +207,8 @@ class Capacity:
                 self.last_batch_decrease = now
                 self.batch_decreases += 1
             return
-        if (s.inflight_at_admit + 1) / n >= 0.9 * self.batch_limit:
+        # tested: admitted near the fill limit less the interactive reserve (all batch work may use)
+        if (s.inflight_at_admit + 1) / n >= 0.9 * (self.batch_limit - self.cfg.reserve_fraction * self.limit - 1.0):
             self.batch_limit += 1.0 / n
 
     def stats(self) -> dict:

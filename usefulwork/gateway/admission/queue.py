@@ -215,7 +215,7 @@ class PoolQueue:
         if rate:
             # + 2 dispatch intervals of margin: a retry told the exact boundary would miss half the time.
             behind_all = self.ahead_of(t) + round(self.return_rate * len(self.reservations)) + 4 - max(0, self.free(t.cls))
-            retry = max(0.0, behind_all / rate - full_budget)
+            retry = max(0.0, behind_all / rate - QUEUE_SAFETY * full_budget)
         else:
             retry = 1.0
         retry = max(retry, 0.05)
@@ -294,10 +294,13 @@ class PoolQueue:
         for cls, cls_q in enumerate(self.queues):
             if not cls_q or self.free(cls) <= 0:
                 continue
-            best = None
+            # The least-served tenant goes next; on a tie (a tenant just lifted level with the backlog),
+            # the shorter backlog: a quiet tenant does not wait behind a heavy one's queue.
+            best, best_key = None, None
             for tenant, q in cls_q.items():
-                if q and (best is None or self.counters.get(tenant, 0.0) < self.counters.get(best, 0.0)):
-                    best = tenant
+                key = (self.counters.get(tenant, 0.0), len(q))
+                if q and (best is None or key < best_key):
+                    best, best_key = tenant, key
             if best is not None:
                 q = cls_q[best]
                 t = q.popleft()
