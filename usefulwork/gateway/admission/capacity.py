@@ -56,7 +56,7 @@ class Capacity:
                  replicas: Callable[[], Iterable] = tuple, replica_count: Callable[[], int] | None = None):
         self.cfg = cfg
         self.replicas = replicas  # live replica state (running, waiting, kv_usage, num_gpu_blocks, block_size)
-        self._count = replica_count or (lambda: sum(1 for r in self.replicas() if getattr(r, "healthy", True)))
+        self._count = replica_count
         f = cfg.target_fraction
         self.slo_e2e_s = slo_e2e_s
         self.ttft_target = slo_ttft_s * f
@@ -78,8 +78,10 @@ class Capacity:
         self.batch_decreases = 0
 
     # -- reads --
-    def count(self) -> int:
-        return max(1, self._count())
+    def count(self, reps: Iterable | None = None) -> int:
+        if self._count is not None:
+            return max(1, self._count())
+        return max(1, sum(1 for r in (self.replicas() if reps is None else reps) if getattr(r, "healthy", True)))
 
     def saturated(self) -> bool:
         """A replica queues a real share of its work inside vLLM, or its KV cache is nearly full.
@@ -94,12 +96,12 @@ class Capacity:
         return any(getattr(r, "waiting", 0.0) > max(2.0, 0.05 * getattr(r, "running", 0.0))
                    or getattr(r, "kv_usage", 0.0) > self.cfg.kv_high for r in self.replicas())
 
-    def kv_cap(self) -> float | None:
+    def kv_cap(self, reps: Iterable | None = None) -> float | None:
         """Sequences of the measured mean length that fit in the pool's KV caches (None: unknown)."""
         if not self.tokens:
             return None
         total = 0.0
-        for r in self.replicas():
+        for r in (self.replicas() if reps is None else reps):
             blocks = getattr(r, "num_gpu_blocks", 0.0)
             size = getattr(r, "block_size", 0.0)
             if not (blocks and size):
@@ -107,34 +109,37 @@ class Capacity:
             total += blocks * size / self.tokens
         return total or None
 
-    def _seed(self) -> None:
+    def _seed(self, reps: list) -> None:
         """Start from what the replicas already run (another gateway's load shows what they hold)."""
-        reps = list(self.replicas())
         if reps:
             self.seeded = True
             held = max((getattr(r, "running", 0.0) + getattr(r, "waiting", 0.0) for r in reps), default=0.0)
             self.limit = max(self.limit, held)
             self.batch_limit = max(self.batch_limit, self.limit)
 
-    def _cap(self, lim: float) -> int:
-        kv = self.kv_cap()
+    def _cap(self, lim: float, kv: float | None) -> int:
         if kv is not None:
             lim = min(lim, kv)
         if self.cfg.max_concurrency is not None:
             lim = min(lim, self.cfg.max_concurrency)
         return max(self.cfg.min_concurrency, int(lim))
 
-    def current(self) -> int:
-        """The SLO limit to apply now: per replica x healthy replicas, within the KV and configured caps."""
+    def limits(self) -> tuple[int, int]:
+        """(SLO limit, fill limit) to apply now: per replica x healthy replicas, within the KV and
+        configured caps (one look at the replicas for both: this runs on every request)."""
+        reps = list(self.replicas())
         if not self.seeded:
-            self._seed()
-        return self._cap(self.limit * self.count())
+            self._seed(reps)
+        n, kv = self.count(reps), self.kv_cap(reps)
+        return self._cap(self.limit * n, kv), self._cap(max(self.limit, self.batch_limit) * n, kv)
+
+    def current(self) -> int:
+        """The SLO limit to apply now."""
+        return self.limits()[0]
 
     def fill(self) -> int:
         """The fill limit to apply now (never below the SLO limit)."""
-        if not self.seeded:
-            self._seed()
-        return self._cap(max(self.limit, self.batch_limit) * self.count())
+        return self.limits()[1]
 
     def drain_rate(self) -> float | None:
         """Requests per second that leave a full pool. Before the first measurement, a slot is

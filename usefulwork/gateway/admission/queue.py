@@ -111,7 +111,7 @@ class PoolQueue:
     def free(self, cls: int) -> int:
         """Slots a ticket of class ``cls`` may take now (interactive: its own SLO limit, within the fill
         limit; lower classes: the fill limit less the interactive reserve)."""
-        slo, fill = self.capacity.current(), self.capacity.fill()
+        slo, fill = self.capacity.limits()
         if cls == 0:
             return min(slo - self.inflight_cls[0], fill - self.inflight)
         reserve = max(1, math.ceil(slo * self.reserve_fraction)) if self.reserve_fraction else 0
