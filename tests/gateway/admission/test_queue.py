@@ -64,20 +64,18 @@ def test_queued_ticket_behind_held_places_is_dispatched_at_once_when_slots_are_f
     assert d.kind == "admit" and t.state == "admitted" and q.inflight == 1 and q.queued == 0
 
 
-def test_release_dispatches_in_priority_order_and_reserve_keeps_batch_out():
+def test_release_dispatches_in_priority_order_and_interactive_runs_on_top_of_batch():
     q = make_queue(limit=10, service_s=1.0, reserve_fraction=0.2)
     batch = [ticket(0.0, cls=1, deadline_s=60) for _ in range(10)]
     kinds = [q.offer(t, 0.0).kind for t in batch]
-    assert kinds.count("admit") == 8  # batch may use 80% of the limit
-    inter = ticket(0.1)
-    assert q.offer(inter, 0.1).kind == "admit"  # an interactive request finds a reserved slot
-    admitted_batch = [t for t in batch if t.state == "admitted"]
+    assert kinds.count("admit") == 8  # batch may use the fill limit (here = the SLO limit) less the reserve
+    inter = [ticket(0.1) for _ in range(10)]
+    assert [q.offer(t, 0.1).kind for t in inter] == ["admit"] * 10  # interactive: its own SLO limit on top
     waiting_inter = ticket(0.2)
-    waiting_inter2 = ticket(0.2)
-    q.offer(waiting_inter, 0.2)
-    assert q.offer(waiting_inter2, 0.2).kind == "queue"
-    woken = q.release(admitted_batch[0], 0.5)
-    assert woken == [waiting_inter2]  # interactive before the batch tickets queued earlier
+    assert q.offer(waiting_inter, 0.2).kind == "queue"
+    admitted_batch = [t for t in batch if t.state == "admitted"]
+    assert q.release(admitted_batch[0], 0.5) == []  # a batch slot is not an interactive one, and batch is over its share
+    assert q.release(inter[0], 0.6) == [waiting_inter]  # interactive before the batch tickets queued earlier
 
 
 def test_vtc_serves_quiet_tenant_before_the_heavy_backlog():
@@ -150,9 +148,9 @@ def test_overtaken_batch_work_is_shed_when_the_prediction_says_so_not_at_its_dea
     assert kinds.count("admit") == 8 and kinds.count("queue") == 1  # batch: the limit less the reserve
     waiting = next(t for t in batch if t.state == "queued")
     woken = []
-    for _ in range(25):  # interactive work fills the reserve, then queues ahead of the batch ticket
+    for _ in range(60):  # interactive work takes its own 10 slots, then queues ahead of the batch ticket
         woken += q.offer(ticket(0.0, deadline_s=10.0), 0.0).woken
-    # 20 interactive ahead: the batch ticket's slot frees after 3 rounds of 1 s > its 2.9 s budget.
+    # 36+ interactive ahead of 18 running: the batch ticket's slot frees after 3 rounds of 1 s > its 2.9 s budget.
     assert waiting in woken and waiting.state == "shed" and waiting.shed_reason == "overtaken"
     assert q.shed_total["overtaken"] == 1
 

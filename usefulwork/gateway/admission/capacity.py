@@ -16,8 +16,8 @@ of healthy replicas the fleet reports:
   ``vllm:num_requests_running`` + ``waiting``), whichever is larger.
 - ``batch_limit``, the **fill limit**: how many requests in flight keep the replicas busy without
   queueing inside vLLM. Batch work may use it (less the interactive reserve), interactive work may use
-  the SLO limit on top of whatever batch runs, so batch fills idle capacity and never makes an
-  interactive request wait. It grows while a replica's own queue stays empty
+  the SLO limit on top of whatever batch runs, so batch fills idle capacity and yields first. It grows while the service TTFT stays within ``FILL_TTFT_FACTOR`` of the
+  lowest seen and a replica's own queue stays empty
   (``vllm:num_requests_waiting`` at most 2 or 5% of its running requests) and its KV cache under
   ``kv_high``; it is cut by 10% (at most once per service time) when not. It is never below ``limit``.
 
@@ -35,6 +35,7 @@ from typing import Callable, Iterable
 from usefulwork.gateway.admission.config import AdmissionCfg
 
 EWMA = 0.1  # weight of a new sample in the running means
+FILL_TTFT_FACTOR = 3.0  # batch fills the pool while the service TTFT stays within this factor of the unloaded one
 
 
 @dataclass(slots=True)
@@ -69,6 +70,7 @@ class Capacity:
         self.last_batch_decrease = -1e18
         self.svc_ttft: float | None = None  # EWMA of service TTFT (s)
         self.ttft_dev: float = 0.0  # EWMA of |TTFT - mean|
+        self.ttft_floor: float | None = None  # the lowest running mean of service TTFT seen: the unloaded TTFT
         self.tpot: float | None = None
         self.service: float | None = None  # EWMA of a slot's hold time (s)
         self.service_dev: float = 0.0
@@ -92,7 +94,11 @@ class Capacity:
                    or getattr(r, "kv_usage", 0.0) > self.cfg.kv_high for r in self.replicas())
 
     def queueing(self) -> bool:
-        """A replica holds more than a step's worth of arrivals in its own queue (the fill limit's signal)."""
+        """The fill limit's signal: new requests wait inside vLLM. Seen directly in the service TTFT
+        (its running mean over ``FILL_TTFT_FACTOR`` x the lowest seen: prefills queue behind others),
+        or scraped: a replica holds more than a step's worth of arrivals in its own queue."""
+        if self.ttft_floor is not None and self.svc_ttft is not None and self.svc_ttft > FILL_TTFT_FACTOR * self.ttft_floor:
+            return True
         return any(getattr(r, "waiting", 0.0) > max(2.0, 0.05 * getattr(r, "running", 0.0))
                    or getattr(r, "kv_usage", 0.0) > self.cfg.kv_high for r in self.replicas())
 
@@ -171,6 +177,8 @@ class Capacity:
             if self.svc_ttft is not None:
                 self.ttft_dev = _ewma(self.ttft_dev, abs(s.ttft - self.svc_ttft))
             self.svc_ttft = _ewma(self.svc_ttft, s.ttft)
+            if self.samples > 10:  # (a mean of a few samples is not a floor)
+                self.ttft_floor = self.svc_ttft if self.ttft_floor is None else min(self.ttft_floor, self.svc_ttft)
         if s.tpot is not None:
             self.tpot = _ewma(self.tpot, s.tpot)
         n = self.count()

@@ -1,10 +1,11 @@
 """One pool's admission queue: priority classes, deadlines, fair sharing, and the decision per request.
 
 Classes are served in strict order (``interactive``, ``batch``, ``sheddable``). Interactive work may
-hold up to the SLO limit of requests in flight (``Capacity.current``), on top of whatever batch work
-runs, within the fill limit (``Capacity.fill``: what keeps the replicas busy without queueing inside
-vLLM); lower classes may use the fill limit less a reserve (``reserve_fraction`` of the SLO limit), so
-batch work fills idle capacity and an interactive request finds a free slot.
+hold up to the SLO limit of requests in flight (``Capacity.current``) on top of whatever batch work
+runs; lower classes may use the fill limit (``Capacity.fill``: what keeps the replicas busy without
+queueing inside vLLM) less a reserve (``reserve_fraction`` of the SLO limit), so batch work fills
+idle capacity, yields when interactive work slows the replicas (the fill limit is cut), and an
+interactive request finds a free slot.
 Within a class, tenants share by the Virtual Token Counter (Sheng et al., "Fairness in Serving Large
 Language Models", OSDI 2024): each tenant's counter grows by the tokens it is served (prompt +
 output, divided by its weight) and the backlogged tenant with the smallest counter goes next; a
@@ -113,7 +114,7 @@ class PoolQueue:
         limit; lower classes: the fill limit less the interactive reserve)."""
         slo, fill = self.capacity.limits()
         if cls == 0:
-            return min(slo - self.inflight_cls[0], fill - self.inflight)
+            return slo - self.inflight_cls[0]
         reserve = max(1, math.ceil(slo * self.reserve_fraction)) if self.reserve_fraction else 0
         return max(1, fill - reserve) - self.inflight
 
