@@ -200,15 +200,19 @@ class Capacity:
         load = self._load()
         if load > 1.0:
             if now - self.last_decrease >= (self.service or 0.0):
-                self.limit = max(float(self.cfg.min_concurrency) / n, self.limit * 0.9)
+                # In proportion to the overshoot (at most halved, at least 10%): a limit that grew past
+                # what the pool serves in time comes back within a service time or two.
+                self.limit = max(float(self.cfg.min_concurrency) / n, self.limit * max(0.5, min(0.9, 1.0 / load)))
                 self.last_decrease = now
                 self.decreases += 1
             return
         if self.saturated():  # the replicas say "full" before the SLO does: hold, do not grow
             return
-        if per_replica + 1 >= 0.5 * self.limit:  # only a limit that was at least half used has been tested
-            step = 1.0 if load < 0.8 else 1.0 / (self.limit * n)
-            self.limit += step / n
+        # Only a limit that was used has been tested: far under the targets, half of it (fast growth);
+        # near them, all of it.
+        fast = load < 0.8
+        if per_replica + 1 >= (0.5 if fast else 1.0) * self.limit:
+            self.limit += (1.0 if fast else 1.0 / (self.limit * n)) / n
             if self.cfg.max_concurrency is not None:
                 self.limit = min(self.limit, self.cfg.max_concurrency / n)
             self.batch_limit = max(self.batch_limit, self.limit)
