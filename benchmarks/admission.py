@@ -38,8 +38,8 @@ def markdown(data: dict) -> str:
     off, on = exp.compare["admission"]["profile_off"], exp.compare["admission"]["profile_on"]
     out = [f"- Date: {m['date']}; command: `{m['command'] or 'usefulwork loadtest --experiment admission'}`.",
            f"- Serving: {m['serving hardware']}; model: {m['model']}; {m.get('time scale', '')}.",
-           "- Load generator, gateway and simulator: the same 2-core VM, shared with four other sessions' "
-           "work while this ran (load average 15-20): wall-clock figures are noisy.",
+           "- Load generator, gateway and simulator: the same 2-core VM, shared with other sessions' work while "
+           "this ran (its load average is given beside the run): wall-clock figures are noisy.",
            f"- SLO: TTFT {exp.slo.ttft_ms:.0f} ms, TPOT {exp.slo.tpot_ms:.0f} ms, E2E {exp.slo.e2e_ms:.0f} ms, "
            f"attainment {exp.slo.attainment:.0%}.", ""]
     cap = a["capacity"]

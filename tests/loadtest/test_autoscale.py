@@ -51,7 +51,7 @@ def test_fixed_fleets_are_billed_for_every_replica_all_run(short_day):
 
 def test_autoscaled_fleets_stay_within_the_hpa_bounds_and_admission_sheds_rather_than_times_out(short_day):
     by = {r["policy"]: r for r in short_day["policies"]}
-    for name in ("hpa-vllm-queue", "hpa-gateway-queue", "hpa-gateway-queue-replica-limit"):
+    for name in ("hpa-vllm-queue", "hpa-gateway-queue"):
         assert by[name]["replicas_min"] >= FLEET.min_replicas and by[name]["replicas_max"] <= FLEET.max_replicas
     g = by["hpa-gateway-queue"]
     assert g["timeouts"] == 0
@@ -71,8 +71,7 @@ def test_cli_runs_the_autoscale_experiment_by_name(tmp_path):
                           env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = json.loads((out / "results.json").read_text())
-    assert [p["policy"] for p in data["policies"]] == ["fixed-peak", "fixed-mean", "hpa-vllm-queue", "hpa-gateway-queue",
-                                                     "hpa-gateway-queue-replica-limit"]
+    assert [p["policy"] for p in data["policies"]] == ["fixed-peak", "fixed-mean", "hpa-vllm-queue", "hpa-gateway-queue"]
     assert data["day"]["day_s"] == pytest.approx(Day().day_s * 0.02)
     assert "hpa-gateway-queue" in proc.stdout + proc.stderr
 

@@ -13,14 +13,12 @@ for up to ``grace_s``. Compared policies (``POLICIES``):
   pod), 2..8 pods, the seed's windows (60 s up, 2 pods / 120 s; 300 s down);
 - ``hpa-gateway-queue``: the gateway's admission filter on, and the same HPA bounds and windows on the
   gateway's view of the pool: ``usefulwork_admission_queue_depth`` (queued at the gateway) plus the
-  requests the pool is serving (``vllm:num_requests_running``), per pod; the query deploy/k8s/ uses;
-- ``hpa-gateway-queue-replica-limit``: the same with admission's in-flight limit scaled by the serving
-  replica count when it changes: a proposed admission change, not the filter's behaviour.
+  requests the pool is serving (``vllm:num_requests_running``), per pod; the query deploy/k8s/ uses.
 
 With admission on, requests go through the admission filter's own queue and capacity objects
 (usefulwork/gateway/admission/queue.py ``PoolQueue`` and capacity.py ``Capacity``, which take ``now``),
-driven on the same virtual clock: admit / queue / shed at arrival, AIMD in-flight limit learnt from
-finished requests, deadlines, Retry-After reservations. Clients behave as the OpenAI SDK by default:
+driven on the same virtual clock: admit / queue / shed at arrival, the per-replica in-flight limits
+learnt from finished requests (times the serving replicas), deadlines, Retry-After reservations. Clients behave as the OpenAI SDK by default:
 a 429 is retried after its Retry-After (``max_retries`` times); a request not finished ``timeout_s``
 after it was sent is abandoned (the replica aborts it). Latency is measured from the FIRST send, so a
 retried request's wait counts against its SLO.
@@ -131,7 +129,6 @@ class Policy:
     up: Rules = SEED_UP
     down: Rules = SEED_DOWN
     admission: bool = False
-    limit_per_replica: bool = False  # a proposed admission change, not the filter's behaviour (see below)
 
 
 def policies(day: Day, fleet: Fleet) -> list[Policy]:
@@ -147,13 +144,6 @@ def policies(day: Day, fleet: Fleet) -> list[Policy]:
         Policy("hpa-gateway-queue", f"admission on; HPA on the gateway's queue + running per pool, averageValue "
                f"{GATEWAY_QUEUE_TARGET:g}, same bounds and windows", metric="gateway-queue",
                target=GATEWAY_QUEUE_TARGET, admission=True),
-        # Not the admission filter as built: its adaptive in-flight limit is one number per pool that grows
-        # by about one per limit's worth of finished requests, so it lags a fleet that just grew. This
-        # variant scales the limit with the number of serving replicas when that number changes (what a
-        # per-replica limit would do); it needs the gateway to see each pod (docs/deploy.md, "Limits").
-        Policy("hpa-gateway-queue-replica-limit", "as hpa-gateway-queue, with admission's limit scaled by the "
-               "serving replica count when it changes (a proposed change)", metric="gateway-queue",
-               target=GATEWAY_QUEUE_TARGET, admission=True, limit_per_replica=True),
     ]
 
 
@@ -240,7 +230,6 @@ class Simulation:
         self.timeline: list[dict[str, float]] = []
         self.hpa_log: list[tuple[float, int, float]] = []
         self.peak_replicas = n0
-        self._serving_seen = n0
 
     # -- fleet --
     def _serving(self) -> list[Replica]:
@@ -302,15 +291,22 @@ class Simulation:
             self._dispatch(req)
         elif d.kind == "shed":
             self._shed(req, d.retry_after_s)
-        else:
-            self._pump()
+        self._wake(d.woken)
+
+    def _wake(self, tickets: list[Ticket]) -> None:
+        """As the filter does: admitted tickets go upstream, shed ones get their 429."""
+        for nxt in tickets:
+            if nxt.state == "admitted":
+                self._dispatch(nxt.waiter)
+            else:
+                self._shed(nxt.waiter, self._retry_estimate())
+
+    def _retry_estimate(self) -> float:  # the filter's _retry_estimate
+        rate = self.queue.capacity.drain_rate()
+        return self.queue.queued / rate if rate else 1.0
 
     def _pump(self) -> None:
-        """Dispatch queued tickets while the pool has free slots. The admission filter pumps only when
-        a slot is released, so a ticket queued behind retry reservations while slots were free waits
-        for its deadline (docs/benchmarks.md, "Autoscaling what-if"); here it is pumped at once."""
-        for nxt in self.queue.pump(self.now):
-            self._dispatch(nxt.waiter)
+        self._wake(self.queue.pump(self.now))
 
     def _shed(self, req: Req, retry_after_s: float) -> None:
         if req.attempts <= self.client.max_retries and retry_after_s <= self.client.max_retry_after_s:
@@ -372,18 +368,8 @@ class Simulation:
         self._finish_attempt(req, ok=False)
         self._end(req, outcome)
 
-    def _rescale_limit(self) -> None:
-        n = len(self._serving())
-        if n and n != self._serving_seen:
-            cap = self.queue.capacity
-            cap.limit = max(float(cap.cfg.min_concurrency), cap.limit * n / self._serving_seen)
-            self._serving_seen = n
-            self._pump()
-
     def _expire_queue(self) -> None:
-        for t in self.queue.expire(self.now):
-            rate = self.queue.capacity.drain_rate()
-            self._shed(t.waiter, self.queue.queued / rate if rate else 1.0)  # the filter's _retry_estimate
+        self._wake(self.queue.expire(self.now))
         self._pump()
 
     def _step_replica(self, rep: Replica) -> None:
@@ -446,8 +432,8 @@ class Simulation:
                     if r.gone_at is None:
                         r.scrape()
                 next_scrape += SCRAPE_S
-                if self.policy.limit_per_replica:
-                    self._rescale_limit()
+                if self.queue is not None:
+                    self._pump()  # the limit follows the serving replicas: a new one frees slots
             elif t == next_sample:
                 self._sample()
                 next_sample += 60.0
@@ -559,7 +545,6 @@ def run(day: Day = Day(), fleet: Fleet = Fleet(), client: Client = Client(), slo
     peak = next((p.fixed for p in pols if p.name == "fixed-peak"), None) or math.ceil(day.peak_rate / fleet.replica_capacity_rps)
     return {"day": asdict(day), "fleet": asdict(fleet), "client": asdict(client), "slo": asdict(slo),
             "policies": results, "verdict": verdict(by, slo),
-            "verdict_replica_limit": verdict(by, slo, "hpa-gateway-queue-replica-limit"),
             "replica_hours_bound_vs_peak": replica_hour_bound(day, fleet, peak), "wall_s": time.monotonic() - t0}
 
 
@@ -625,7 +610,7 @@ def main(args: Any, console: Any) -> int:
     for row in rows[1:]:
         t.add_row(*row)
     console.print(t)
-    for v in (data["verdict"], data["verdict_replica_limit"]):
+    for v in (data["verdict"],):
         if v.get("checked"):
             console.print(f"{v['policy']}: {100 * v['replica_hours_vs_peak']:.0f}% of fixed-peak's replica-hours, "
                           f"{v['failed_fewer_than_seed_x']:.1f}x fewer failed than the seed's HPA; "

@@ -1,20 +1,30 @@
 """How much work a pool can take now, measured online; no hand-set capacity number is needed.
 
-The limit is a number of requests in flight per pool, adapted like a congestion window (AIMD):
+Two limits, both per healthy replica (so the pool's limit follows the replica count at once: a pool
+that just grew from 2 to 5 replicas admits 5/2 as much without relearning), multiplied by the number
+of healthy replicas the fleet reports:
 
-- each admitted request that ends is a sample of the pool's service: TTFT (sent upstream -> first
-  token), TPOT and E2E without the gateway's queue wait, kept as running means;
-- while the means stay under ``target_fraction`` of the SLO and the replicas are not saturated, the
-  limit grows (by one per sample until the first overload, "slow start"; then by one per limit's
-  worth of samples);
-- a sample over target shrinks it by 10%, at most once per service time; a replica queueing more
-  than a quarter of its running requests inside vLLM (``vllm:num_requests_waiting``) or a KV cache
-  over ``kv_high`` holds it (no growth);
-- the replicas' KV-cache size (``vllm:cache_config_info`` blocks x block size) caps it at the
-  number of sequences of the measured length that fit; ``max_concurrency`` may cap it further.
+- ``limit``, the **SLO limit**: requests in flight at which admitted work still meets the SLO. Each
+  admitted request that ends is a sample of the pool's service: TTFT (sent upstream -> first token),
+  TPOT and E2E without the gateway's queue wait, kept as running means (and mean deviations, for the
+  tail the queue's budget leaves room for). While the means stay under ``target_fraction`` of the
+  SLO and the replicas are not saturated, the limit grows: by one per tested sample (a request
+  admitted with at least half the limit in flight) while the means are under 80% of the target
+  (about doubling per service time: a cold gateway finds the fleet's size in a few seconds), by one
+  per limit's worth of samples near the target. Means over target cut it by 10%, at most once per
+  service time. It starts at ``initial_concurrency`` or at what the replicas already run (scraped
+  ``vllm:num_requests_running`` + ``waiting``), whichever is larger.
+- ``batch_limit``, the **fill limit**: how many requests in flight keep the replicas busy without
+  queueing inside vLLM. Batch work may use it (less the interactive reserve), interactive work may use
+  the SLO limit on top of whatever batch runs, so batch fills idle capacity and yields first. It grows while the service TTFT stays within ``FILL_TTFT_FACTOR`` of the
+  lowest seen and a replica's own queue stays empty
+  (``vllm:num_requests_waiting`` at most 2 or 5% of its running requests) and its KV cache under
+  ``kv_high``; it is cut by 10% (at most once per service time) when not. It is never below ``limit``.
 
-The drain rate (requests that leave per second when the pool is full) is Little's law on the
-same measurements: limit / mean service time. The clock is a parameter: tests run it virtually.
+Both are capped by the replicas' KV caches (``vllm:cache_config_info`` blocks x block size: the
+sequences of the measured length that fit) and by ``max_concurrency``. The drain rate (requests that
+leave per second when the pool is full) is Little's law on the same measurements: limit / mean
+service time. The clock is a parameter: tests run it virtually.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ from typing import Callable, Iterable
 from usefulwork.gateway.admission.config import AdmissionCfg
 
 EWMA = 0.1  # weight of a new sample in the running means
+FILL_TTFT_FACTOR = 3.0  # batch fills the pool while the service TTFT stays within this factor of the unloaded one
 
 
 @dataclass(slots=True)
@@ -40,29 +51,40 @@ class Sample:
 
 
 class Capacity:
-    """The adaptive in-flight limit and the service-time estimates of one pool."""
+    """The adaptive in-flight limits and the service-time estimates of one pool."""
 
     def __init__(self, cfg: AdmissionCfg, slo_ttft_s: float, slo_tpot_s: float, slo_e2e_s: float,
                  replicas: Callable[[], Iterable] = tuple, replica_count: Callable[[], int] | None = None):
         self.cfg = cfg
         self.replicas = replicas  # live replica state (running, waiting, kv_usage, num_gpu_blocks, block_size)
-        self._count = replica_count or (lambda: max(1, sum(1 for r in self.replicas() if getattr(r, "healthy", True))))
+        self._count = replica_count
         f = cfg.target_fraction
         self.slo_e2e_s = slo_e2e_s
         self.ttft_target = slo_ttft_s * f
         self.tpot_target = slo_tpot_s * f
         self.e2e_target = slo_e2e_s * f
-        self.limit = float(cfg.initial_concurrency * self._count())
-        self.slow_start = True
+        self.limit = float(cfg.initial_concurrency)  # per replica (SLO limit)
+        self.batch_limit = self.limit  # per replica (fill limit)
+        self.seeded = False  # the start was raised to what the replicas already run
         self.last_decrease = -1e18
+        self.last_batch_decrease = -1e18
         self.svc_ttft: float | None = None  # EWMA of service TTFT (s)
+        self.ttft_dev: float = 0.0  # EWMA of |TTFT - mean|
+        self.ttft_floor: float | None = None  # the lowest running mean of service TTFT seen: the unloaded TTFT
         self.tpot: float | None = None
         self.service: float | None = None  # EWMA of a slot's hold time (s)
+        self.service_dev: float = 0.0
         self.tokens: float | None = None  # EWMA of tokens per request
         self.samples = 0
         self.decreases = 0
+        self.batch_decreases = 0
 
     # -- reads --
+    def count(self, reps: Iterable | None = None) -> int:
+        if self._count is not None:
+            return max(1, self._count())
+        return max(1, sum(1 for r in (self.replicas() if reps is None else reps) if getattr(r, "healthy", True)))
+
     def saturated(self) -> bool:
         """A replica queues a real share of its work inside vLLM, or its KV cache is nearly full.
 
@@ -71,12 +93,21 @@ class Capacity:
         return any(getattr(r, "waiting", 0.0) > max(1.0, 0.25 * getattr(r, "running", 0.0))
                    or getattr(r, "kv_usage", 0.0) > self.cfg.kv_high for r in self.replicas())
 
-    def kv_cap(self) -> float | None:
+    def queueing(self) -> bool:
+        """The fill limit's signal: new requests wait inside vLLM. Seen directly in the service TTFT
+        (its running mean over ``FILL_TTFT_FACTOR`` x the lowest seen: prefills queue behind others),
+        or scraped: a replica holds more than a step's worth of arrivals in its own queue."""
+        if self.ttft_floor is not None and self.svc_ttft is not None and self.svc_ttft > FILL_TTFT_FACTOR * self.ttft_floor:
+            return True
+        return any(getattr(r, "waiting", 0.0) > max(2.0, 0.05 * getattr(r, "running", 0.0))
+                   or getattr(r, "kv_usage", 0.0) > self.cfg.kv_high for r in self.replicas())
+
+    def kv_cap(self, reps: Iterable | None = None) -> float | None:
         """Sequences of the measured mean length that fit in the pool's KV caches (None: unknown)."""
         if not self.tokens:
             return None
         total = 0.0
-        for r in self.replicas():
+        for r in (self.replicas() if reps is None else reps):
             blocks = getattr(r, "num_gpu_blocks", 0.0)
             size = getattr(r, "block_size", 0.0)
             if not (blocks and size):
@@ -84,15 +115,37 @@ class Capacity:
             total += blocks * size / self.tokens
         return total or None
 
-    def current(self) -> int:
-        """The limit to apply now (whole requests, within the configured and KV caps)."""
-        lim = self.limit
-        kv = self.kv_cap()
+    def _seed(self, reps: list) -> None:
+        """Start from what the replicas already run (another gateway's load shows what they hold)."""
+        if reps:
+            self.seeded = True
+            held = max((getattr(r, "running", 0.0) + getattr(r, "waiting", 0.0) for r in reps), default=0.0)
+            self.limit = max(self.limit, held)
+            self.batch_limit = max(self.batch_limit, self.limit)
+
+    def _cap(self, lim: float, kv: float | None) -> int:
         if kv is not None:
             lim = min(lim, kv)
         if self.cfg.max_concurrency is not None:
             lim = min(lim, self.cfg.max_concurrency)
         return max(self.cfg.min_concurrency, int(lim))
+
+    def limits(self) -> tuple[int, int]:
+        """(SLO limit, fill limit) to apply now: per replica x healthy replicas, within the KV and
+        configured caps (one look at the replicas for both: this runs on every request)."""
+        reps = list(self.replicas())
+        if not self.seeded:
+            self._seed(reps)
+        n, kv = self.count(reps), self.kv_cap(reps)
+        return self._cap(self.limit * n, kv), self._cap(max(self.limit, self.batch_limit) * n, kv)
+
+    def current(self) -> int:
+        """The SLO limit to apply now."""
+        return self.limits()[0]
+
+    def fill(self) -> int:
+        """The fill limit to apply now (never below the SLO limit)."""
+        return self.limits()[1]
 
     def drain_rate(self) -> float | None:
         """Requests per second that leave a full pool. Before the first measurement, a slot is
@@ -101,16 +154,19 @@ class Capacity:
         return self.current() / service if service else None
 
     def est_ttft(self) -> float:
-        return self.svc_ttft or 0.0
+        """Service TTFT that a request should budget for: the mean plus two mean deviations."""
+        return (self.svc_ttft or 0.0) + 2.0 * self.ttft_dev
 
     def est_e2e(self, max_tokens: int | None) -> float:
-        """Expected service time of a request that may produce ``max_tokens`` tokens."""
+        """Expected service time (with the same tail margin) of a request that may produce ``max_tokens`` tokens."""
         if self.tpot is not None and max_tokens:
             return self.est_ttft() + self.tpot * max(0, max_tokens - 1)
-        return self.service or 0.0
+        return (self.service or 0.0) + 2.0 * self.service_dev
 
     # -- writes --
     def observe(self, s: Sample, now: float) -> None:
+        if self.service is not None:
+            self.service_dev = _ewma(self.service_dev, abs(s.service - self.service))
         self.service = _ewma(self.service, s.service)
         if s.tokens:
             self.tokens = _ewma(self.tokens, float(s.tokens))
@@ -118,33 +174,66 @@ class Capacity:
             return  # failures say nothing about the pool's speed
         self.samples += 1
         if s.ttft is not None:
+            if self.svc_ttft is not None:
+                self.ttft_dev = _ewma(self.ttft_dev, abs(s.ttft - self.svc_ttft))
             self.svc_ttft = _ewma(self.svc_ttft, s.ttft)
+            if self.samples > 10:  # (a mean of a few samples is not a floor)
+                self.ttft_floor = self.svc_ttft if self.ttft_floor is None else min(self.ttft_floor, self.svc_ttft)
         if s.tpot is not None:
             self.tpot = _ewma(self.tpot, s.tpot)
+        n = self.count()
+        self._learn_fill(s, now, n)
+        self._learn_slo(s, now, n)
+
+    def _load(self) -> float:
+        """The running means as a fraction of their targets (the largest)."""
+        return max((self.svc_ttft or 0.0) / self.ttft_target, (self.tpot or 0.0) / self.tpot_target,
+                   (self.service or 0.0) / self.e2e_target)
+
+    def _learn_slo(self, s: Sample, now: float, n: int) -> None:
+        per_replica = s.inflight_at_admit / n
         # Judged on the running means, not one sample: a single slow answer (a host hiccup) must not
-        # cut the limit that many good ones built.
-        over = ((self.svc_ttft is not None and self.svc_ttft > self.ttft_target)
-                or (self.tpot is not None and self.tpot > self.tpot_target)
-                or self.service > self.e2e_target)
-        if over:
+        # cut the limit that many good ones built. Samples admitted beyond the SLO limit (batch work
+        # filling the pool) say nothing about it: the fill limit answers for them.
+        if per_replica + 1 > self.limit + 1e-9 and self.batch_limit > self.limit:
+            return
+        load = self._load()
+        if load > 1.0:
             if now - self.last_decrease >= (self.service or 0.0):
-                self.limit = max(float(self.cfg.min_concurrency), self.limit * 0.9)
+                # In proportion to the overshoot (at most halved, at least 10%): a limit that grew past
+                # what the pool serves in time comes back within a service time or two.
+                self.limit = max(float(self.cfg.min_concurrency) / n, self.limit * max(0.5, min(0.9, 1.0 / load)))
                 self.last_decrease = now
-                self.slow_start = False
                 self.decreases += 1
             return
         if self.saturated():  # the replicas say "full" before the SLO does: hold, do not grow
             return
-        if s.inflight_at_admit + 1 >= int(self.limit):  # only a limit that was reached has been tested
-            self.limit += 1.0 if self.slow_start else 1.0 / self.limit
+        # Only a limit that was used has been tested: far under the targets, half of it (fast growth);
+        # near them, all of it.
+        fast = load < 0.8
+        if per_replica + 1 >= (0.5 if fast else 1.0) * self.limit:
+            self.limit += (1.0 if fast else 1.0 / (self.limit * n)) / n
             if self.cfg.max_concurrency is not None:
-                self.limit = min(self.limit, float(self.cfg.max_concurrency))
+                self.limit = min(self.limit, self.cfg.max_concurrency / n)
+            self.batch_limit = max(self.batch_limit, self.limit)
+
+    def _learn_fill(self, s: Sample, now: float, n: int) -> None:
+        if self.queueing():
+            if now - self.last_batch_decrease >= (self.service or 0.0) and self.batch_limit > self.limit:
+                self.batch_limit = max(self.limit, self.batch_limit * 0.9)
+                self.last_batch_decrease = now
+                self.batch_decreases += 1
+            return
+        # tested: admitted near the fill limit less the interactive reserve (all batch work may use)
+        if (s.inflight_at_admit + 1) / n >= 0.9 * (self.batch_limit - self.cfg.reserve_fraction * self.limit - 1.0):
+            self.batch_limit += 1.0 / n
 
     def stats(self) -> dict:
-        return {"limit": self.current(), "limit_raw": round(self.limit, 2), "slow_start": self.slow_start,
+        return {"limit": self.current(), "fill_limit": self.fill(), "replicas": self.count(),
+                "limit_per_replica": round(self.limit, 2), "fill_per_replica": round(self.batch_limit, 2),
                 "service_s": self.service, "service_ttft_s": self.svc_ttft, "tpot_s": self.tpot,
                 "drain_per_s": self.drain_rate(), "kv_cap": self.kv_cap(), "saturated": self.saturated(),
-                "samples": self.samples, "decreases": self.decreases}
+                "samples": self.samples, "decreases": self.decreases, "fill_decreases": self.batch_decreases}
 
 
 def _ewma(old: float | None, new: float) -> float:

@@ -17,15 +17,16 @@ class AdmissionCfg(BaseModel):
     deadline_ms: dict[Priority, float] = Field(
         default_factory=lambda: {"batch": 60000.0},
         description="Queueing deadline (time to first token) per priority class; a class not named uses slo.ttft_ms.")
-    initial_concurrency: int = Field(8, ge=1, description="Requests in flight per healthy replica before any measurement.")
+    initial_concurrency: int = Field(8, ge=1, description="Requests in flight per healthy replica before any measurement "
+                                     "(or what the replicas already run, if more); the learnt limits are per replica too.")
     max_concurrency: int | None = Field(None, ge=1, description="Optional cap on requests in flight per pool (None: measured only).")
     min_concurrency: int = Field(1, ge=1, description="The adaptive limit never goes below this per pool.")
     target_fraction: float = Field(0.7, gt=0, le=1, description="The limit grows while the running means of admitted "
                                    "requests' service TTFT, TPOT and E2E stay under this fraction of the SLO, and "
                                    "shrinks when not (means: the tail needs the rest of the SLO).")
     kv_high: float = Field(0.95, gt=0, le=1, description="KV-cache usage above which a pool is saturated (no growth).")
-    reserve_fraction: float = Field(0.1, ge=0, lt=1, description="Share of the limit that only interactive work may use "
-                                    "(so an interactive request rarely waits behind batch work).")
+    reserve_fraction: float = Field(0.1, ge=0, lt=1, description="Share of the SLO limit that batch work leaves free of "
+                                    "its fill limit (interactive work also runs on top of batch, within its own SLO limit).")
     max_queue: int = Field(4096, ge=0, description="Queued requests per pool beyond which new ones are shed.")
     redis_url: str | None = Field(None, description="Redis shared by all gateway processes for rate limits and budgets "
                                   "(None: per-process limits).")

@@ -48,6 +48,7 @@ REASON_HEADER = b"x-usefulwork-shed-reason"
 _MESSAGES = {
     "predicted_wait": "the {pool} pool is at capacity: this request cannot start within its deadline; retry after the given time",
     "deadline": "the {pool} pool is at capacity: this request's deadline passed while it was queued",
+    "overtaken": "the {pool} pool is at capacity: higher-priority work overtook this request and it can no longer start within its deadline",
     "queue_full": "the {pool} pool's queue is full",
     "sheddable": "the {pool} pool is busy and the request is sheddable",
     "rpm": "tenant {tenant!r} is over its requests-per-minute limit",
@@ -171,6 +172,8 @@ class AdmissionFilter:
         decision = queue.offer(t, now)
         if decision.kind == "shed" and tenant_cfg.degrade is not None:
             queue, decision = self._degrade(call, queue, t, decision, tenant_cfg.degrade, now)
+        if decision.woken:
+            self._dispatch(queue, decision.woken)
         settled = False
         try:
             if decision.kind == "shed":
@@ -263,22 +266,33 @@ class AdmissionFilter:
     async def _wait(self, queue: PoolQueue, t: Ticket) -> bool:
         loop = asyncio.get_running_loop()
         t.waiter = loop.create_future()
-        timer = loop.call_later(max(0.0, t.deadline - self.clock()), self._expire, queue)
+        handles: list[asyncio.TimerHandle] = []
+
+        def arm(delay: float) -> None:
+            handles.append(loop.call_later(delay, self._expire, queue, t, arm))
+
+        arm(max(0.0, queue.latest_start(t) - self.clock()))
         try:
             return await t.waiter
         finally:
-            timer.cancel()
+            for h in handles:
+                h.cancel()
 
-    def _expire(self, queue: PoolQueue) -> None:
-        for t in queue.expire(self.clock()):
-            if t.waiter is not None and not t.waiter.done():
-                t.waiter.set_result(False)
+    def _expire(self, queue: PoolQueue, t: Ticket, arm: Callable[[float], None]) -> None:
+        """``t``'s latest start came: shed whoever is past theirs, fill free slots; if ``t`` still
+        waits (the estimate moved), look again at its new latest start (or its deadline)."""
+        now = self.clock()
+        self._dispatch(queue, queue.expire(now))
+        self._dispatch(queue, queue.pump(now))
+        if t.state == "queued":
+            arm(max(0.001, min(queue.latest_start(t), t.deadline) - now))
 
     @staticmethod
-    def _dispatch(queue: PoolQueue, admitted: list[Ticket]) -> None:
-        for t in admitted:
+    def _dispatch(queue: PoolQueue, tickets: list[Ticket]) -> None:
+        """Wake the waiters of tickets that were admitted (True) or shed (False)."""
+        for t in tickets:
             if t.waiter is not None and not t.waiter.done():
-                t.waiter.set_result(True)
+                t.waiter.set_result(t.state == "admitted")
 
     def _release(self, queue: PoolQueue, t: Ticket, call: Call, ok: bool) -> None:
         ctx = call.ctx

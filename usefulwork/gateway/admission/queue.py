@@ -1,7 +1,11 @@
 """One pool's admission queue: priority classes, deadlines, fair sharing, and the decision per request.
 
-Classes are served in strict order (``interactive``, ``batch``, ``sheddable``); lower classes may
-use at most ``1 - reserve_fraction`` of the limit, so interactive work rarely waits behind them.
+Classes are served in strict order (``interactive``, ``batch``, ``sheddable``). Interactive work may
+hold up to the SLO limit of requests in flight (``Capacity.current``) on top of whatever batch work
+runs; lower classes may use the fill limit (``Capacity.fill``: what keeps the replicas busy without
+queueing inside vLLM) less a reserve (``reserve_fraction`` of the SLO limit), so batch work fills
+idle capacity, yields when interactive work slows the replicas (the fill limit is cut), and an
+interactive request finds a free slot.
 Within a class, tenants share by the Virtual Token Counter (Sheng et al., "Fairness in Serving Large
 Language Models", OSDI 2024): each tenant's counter grows by the tokens it is served (prompt +
 output, divided by its weight) and the backlogged tenant with the smallest counter goes next; a
@@ -11,7 +15,9 @@ Decision at arrival (``offer``):
 
 - **admit** when a slot is free and nobody is queued ahead;
 - **queue** when the predicted wait fits the request's budget (its deadline minus the expected
-  service TTFT, and the E2E SLO minus the expected service time);
+  service TTFT with a tail margin, and, for a class whose deadline is within the E2E SLO, the E2E SLO
+  minus the expected service time); a queued request is dispatched at once if slots are free (the
+  queue is pumped on every arrival, release and expiry, not only when a slot is released);
 - **shed** otherwise, at once, with the time after which a retry fits (``retry_after_s``).
 
 **Retry-After is a reservation.** A shed request is told to come back when the work ahead of it,
@@ -22,9 +28,10 @@ work ahead, weighted by the share of places that were taken back lately (``retur
 place of a client that honours Retry-After is kept free for it, while clients that never come back
 (most load generators, many batch jobs) do not block capacity with places nobody will use.
 
-The predicted wait is (work ahead of it in dispatch order, less free slots) / drain rate. A queued
-request whose deadline passes anyway (new higher-class work overtook it) is shed by ``expire`` at
-its deadline. Everything here is synchronous and takes ``now``: the filter drives it with the event
+The predicted wait is (work ahead of it in dispatch order, less free slots) / drain rate. When new
+interactive work overtakes queued lower-class work, those whose predicted wait no longer fits their
+budget are shed at once (``Decision.woken``); a queued request still waiting at its latest start (its
+deadline less the expected service TTFT) is shed by ``expire`` then, not at the deadline. Everything here is synchronous and takes ``now``: the filter drives it with the event
 loop's clock, the tests with a virtual one.
 """
 
@@ -42,6 +49,8 @@ from usefulwork.gateway.tenants import PRIORITIES
 DecisionKind = Literal["admit", "queue", "shed"]
 RESERVATION_GRACE_S = 2.0  # how long past its Retry-After a shed request's place is kept
 RETURN_EWMA = 0.05  # weight of one ended reservation in the return rate
+OVERSHOOT = 1.1  # a queued ticket at its latest start may exceed the limit by this factor (one cut's worth)
+QUEUE_SAFETY = 0.75  # queue only when the predicted wait leaves a quarter of the budget spare (slots free in clumps)
 State = Literal["new", "queued", "admitted", "released", "shed", "cancelled"]
 
 
@@ -74,6 +83,7 @@ class Decision:
     reason: str = ""
     predicted_wait_s: float = 0.0
     retry_after_s: float = 0.0
+    woken: list[Ticket] = field(default_factory=list)  # other tickets admitted or shed by this offer
 
 
 @dataclass
@@ -85,6 +95,8 @@ class PoolQueue:
     max_queue: int = 4096
     e2e_slo_s: float | None = None
     inflight: int = 0
+    inflight_cls: list[int] = field(default_factory=lambda: [0 for _ in PRIORITIES])
+    running: set[Ticket] = field(default_factory=set)  # admitted, not yet released
     counters: dict[str, float] = field(default_factory=dict)  # VTC: weighted tokens served per tenant
     # queues[cls][tenant] -> FIFO of tickets
     queues: list[dict[str, deque[Ticket]]] = field(default_factory=lambda: [{} for _ in PRIORITIES])
@@ -97,38 +109,61 @@ class PoolQueue:
     return_rate: float = 0.0  # EWMA over ended reservations: 1 taken back, 0 expired unused
 
     # -- the decision --
-    def limit_for(self, cls: int) -> int:
-        lim = self.capacity.current()
+    def free(self, cls: int) -> int:
+        """Slots a ticket of class ``cls`` may take now (interactive: its own SLO limit, within the fill
+        limit; lower classes: the fill limit less the interactive reserve)."""
+        slo, fill = self.capacity.limits()
         if cls == 0:
-            return lim
-        return max(1, int(lim * (1.0 - self.reserve_fraction)))
+            return slo - self.inflight_cls[0]
+        reserve = max(1, math.ceil(slo * self.reserve_fraction)) if self.reserve_fraction else 0
+        return max(1, fill - reserve) - self.inflight
 
-    def ahead_of(self, t: Ticket) -> int:
-        """Tickets dispatched before ``t`` would be if it queued now: higher classes, then a
-        round-robin share of its own class (the VTC order for tenants of equal weight)."""
+    def drain_rate(self, cls: int) -> float | None:
+        rate = self.capacity.drain_rate()
+        if rate is None or cls == 0:
+            return rate
+        return rate * self.capacity.fill() / max(1, self.capacity.current())
+
+    def ahead_of(self, t: Ticket, own: int | None = None) -> int:
+        """Tickets dispatched before ``t`` would be if it queued now (or, already queued, with ``own``
+        of its tenant's tickets before it): higher classes, then a round-robin share of its own class
+        (the VTC order for tenants of equal weight)."""
         n = sum(sum(len(q) for q in self.queues[c].values()) for c in range(t.cls))
-        mine = self.queues[t.cls].get(t.tenant)
-        own = len(mine) if mine else 0
+        if own is None:
+            mine = self.queues[t.cls].get(t.tenant)
+            own = len(mine) if mine else 0
         n += own
         for tenant, q in self.queues[t.cls].items():
             if tenant != t.tenant:
                 n += min(len(q), own + 1)
         return n
 
-    def predict_wait(self, t: Ticket, reserved: int = 0) -> float | None:
+    def predict_wait(self, t: Ticket, now: float, reserved: int = 0, own: int | None = None) -> float | None:
         """Seconds until ``t`` would be dispatched (0: now; None: no measurement yet)."""
-        free = self.limit_for(t.cls) - self.inflight
-        position = self.ahead_of(t) + reserved + 1 - max(0, free)
+        position = self.ahead_of(t, own) + reserved + 1 - max(0, self.free(t.cls))
         if position <= 0:
             return 0.0
-        rate = self.capacity.drain_rate()
+        if self.running:
+            return self._slot_free_in(position, now)
+        rate = self.drain_rate(t.cls)
         # One dispatch interval of headroom: slots free one at a time, not as a fluid.
         return None if not rate else (position + 1) / rate
+
+    def _slot_free_in(self, position: int, now: float) -> float:
+        """When the ``position``-th slot frees: requests in flight end in the order they started (the
+        same expected service time, plus two mean deviations of margin), and a slot taken again is
+        held for another service time. Continuous batching releases in clumps (requests admitted
+        together finish together): a fluid drain rate would promise slots that come later."""
+        cap = self.capacity
+        service = (cap.service or cap.slo_e2e_s or 0.0) + 2.0 * cap.service_dev
+        starts = sorted(x.admitted_at for x in self.running)
+        rounds, i = divmod(position - 1, len(starts))
+        return max(1e-3, starts[i] + service * (rounds + 1) - now)  # overdue: any moment (not "now": no slot is free)
 
     def budget(self, t: Ticket, now: float) -> float:
         """How long ``t`` may wait and still meet its TTFT deadline and the E2E SLO."""
         b = t.deadline - now - self.capacity.est_ttft()
-        if self.e2e_slo_s is not None:
+        if self.e2e_slo_s is not None and t.deadline - t.arrival <= self.e2e_slo_s:
             b = min(b, t.arrival + self.e2e_slo_s - now - self.capacity.est_e2e(t.max_tokens))
         return b
 
@@ -139,7 +174,7 @@ class PoolQueue:
         # A returning request is behind only the places promised before its own; a new one is behind
         # every place that falls due within its budget.
         reserved = round(self.return_rate * self._reserved_until(held if held is not None else now + max(0.0, budget)))
-        wait = self.predict_wait(t, reserved)
+        wait = self.predict_wait(t, now, reserved)
         if wait == 0.0 and self.ahead_of(t) == 0:
             self._admit(t, now)
             return Decision("admit")
@@ -147,10 +182,28 @@ class PoolQueue:
             return self._shed(t, "queue_full", wait or 0.0, now)
         if t.cls == 2:  # sheddable: only ever fills a free slot
             return self._shed(t, "sheddable", wait or 0.0, now)
-        if wait is not None and wait > budget:
+        if wait is not None and wait > QUEUE_SAFETY * budget:
             return self._shed(t, "predicted_wait", wait, now)
         self._enqueue(t)
-        return Decision("queue", predicted_wait_s=wait or 0.0)
+        woken = self.pump(now)  # slots may be free (the prediction counted held places as work ahead)
+        if t.state == "admitted":
+            woken.remove(t)
+            return Decision("admit", woken=woken)
+        if t.cls == 0 and self.queued > sum(len(q) for q in self.queues[0].values()):
+            woken.extend(self._overtaken(now))
+        return Decision("queue", predicted_wait_s=wait or 0.0, woken=woken)
+
+    def _overtaken(self, now: float) -> list[Ticket]:
+        """Queued lower-class tickets that new interactive work pushed past their budget: shed now."""
+        out = []
+        for cls in range(1, len(self.queues)):
+            for tenant in list(self.queues[cls]):
+                doomed = [t for i, t in enumerate(self.queues[cls][tenant])
+                          if (w := self.predict_wait(t, now, own=i)) is not None and w > self.budget(t, now)]
+                for t in doomed:
+                    self._drop(t, "overtaken")
+                out.extend(doomed)
+        return out
 
     def _shed(self, t: Ticket, reason: str, wait: float, now: float) -> Decision:
         t.state = "shed"
@@ -158,13 +211,12 @@ class PoolQueue:
         self.shed_total[reason] = self.shed_total.get(reason, 0) + 1
         # Come back when everything ahead, promised retries included, has drained to what a fresh
         # request's budget allows; hold that place for this tenant.
-        rate = self.capacity.drain_rate()
+        rate = self.drain_rate(t.cls)
         full_budget = max(0.0, t.deadline - t.arrival - self.capacity.est_ttft())
         if rate:
-            free = self.limit_for(t.cls) - self.inflight
             # + 2 dispatch intervals of margin: a retry told the exact boundary would miss half the time.
-            behind_all = self.ahead_of(t) + round(self.return_rate * len(self.reservations)) + 4 - max(0, free)
-            retry = max(0.0, behind_all / rate - full_budget)
+            behind_all = self.ahead_of(t) + round(self.return_rate * len(self.reservations)) + 4 - max(0, self.free(t.cls))
+            retry = max(0.0, behind_all / rate - QUEUE_SAFETY * full_budget)
         else:
             retry = 1.0
         retry = max(retry, 0.05)
@@ -232,6 +284,8 @@ class PoolQueue:
         t.admitted_at = now
         t.inflight_at_admit = self.inflight
         self.inflight += 1
+        self.inflight_cls[t.cls] += 1
+        self.running.add(t)
         self.admitted_total += 1
         w = self.weight_of(t.tenant)
         t.charged = t.tokens / w
@@ -239,12 +293,15 @@ class PoolQueue:
 
     def _pop_next(self) -> Ticket | None:
         for cls, cls_q in enumerate(self.queues):
-            if self.inflight >= self.limit_for(cls):
+            if not cls_q or self.free(cls) <= 0:
                 continue
-            best = None
+            # The least-served tenant goes next; on a tie (a tenant just lifted level with the backlog),
+            # the shorter backlog: a quiet tenant does not wait behind a heavy one's queue.
+            best, best_key = None, None
             for tenant, q in cls_q.items():
-                if q and (best is None or self.counters.get(tenant, 0.0) < self.counters.get(best, 0.0)):
-                    best = tenant
+                key = (self.counters.get(tenant, 0.0), len(q))
+                if q and (best is None or key < best_key):
+                    best, best_key = tenant, key
             if best is not None:
                 q = cls_q[best]
                 t = q.popleft()
@@ -262,39 +319,55 @@ class PoolQueue:
             out.append(t)
         return out
 
+    def latest_start(self, t: Ticket) -> float:
+        """The last dispatch time at which ``t`` still expects to meet its deadline."""
+        return t.deadline - self.capacity.est_ttft()
+
     def expire(self, now: float) -> list[Ticket]:
-        """Shed queued tickets whose deadline has passed (returns them)."""
-        out = []
-        for cls_q in self.queues:
-            for tenant in list(cls_q):
-                q = cls_q[tenant]
-                keep = deque(t for t in q if t.deadline > now)
-                if len(keep) != len(q):
-                    out.extend(t for t in q if t.deadline <= now)
-                    if keep:
-                        cls_q[tenant] = keep
-                    else:
-                        del cls_q[tenant]
+        """Queued tickets at their latest start: admitted when the limit allows it with ``OVERSHOOT``
+        (the queue promised them a start: a limit cut since must not turn that into a late 429), shed
+        otherwise. Returns them (look at ``state``)."""
+        margin = self.capacity.est_ttft()
+        out = [t for cls_q in self.queues for q in cls_q.values() for t in q if t.deadline - margin <= now]
         for t in out:
-            self.queued -= 1
-            t.state = "shed"
-            t.shed_reason = "deadline"
-            self.shed_total["deadline"] = self.shed_total.get("deadline", 0) + 1
+            if self._overshoot_ok(t):
+                self._remove(t)
+                self._admit(t, now)
+            else:
+                self._drop(t, "deadline")
         return out
+
+    def _overshoot_ok(self, t: Ticket) -> bool:
+        cap = self.capacity
+        fill = int(cap.fill() * OVERSHOOT)
+        if t.cls == 0:
+            return self.inflight_cls[0] < int(cap.current() * OVERSHOOT) and self.inflight < fill
+        return self.inflight < fill
+
+    def _remove(self, t: Ticket) -> bool:
+        q = self.queues[t.cls].get(t.tenant)
+        if q is None:
+            return False
+        try:
+            q.remove(t)
+        except ValueError:
+            return False
+        self.queued -= 1
+        if not q:
+            del self.queues[t.cls][t.tenant]
+        return True
+
+    def _drop(self, t: Ticket, reason: str) -> None:
+        self._remove(t)
+        t.state = "shed"
+        t.shed_reason = reason
+        self.shed_total[reason] = self.shed_total.get(reason, 0) + 1
 
     def cancel(self, t: Ticket) -> None:
         """The client left while ``t`` was queued."""
         if t.state != "queued":
             return
-        q = self.queues[t.cls].get(t.tenant)
-        if q is not None:
-            try:
-                q.remove(t)
-                self.queued -= 1
-            except ValueError:
-                pass
-            if not q:
-                del self.queues[t.cls][t.tenant]
+        self._remove(t)
         t.state = "cancelled"
 
     def release(self, t: Ticket, now: float, sample: Sample | None = None, actual_tokens: int | None = None) -> list[Ticket]:
@@ -303,6 +376,8 @@ class PoolQueue:
             return []
         t.state = "released"
         self.inflight -= 1
+        self.inflight_cls[t.cls] -= 1
+        self.running.discard(t)
         if actual_tokens is not None:
             w = self.weight_of(t.tenant)
             delta = actual_tokens / w - t.charged
@@ -313,13 +388,14 @@ class PoolQueue:
         return self.pump(now)
 
     def next_deadline(self) -> float | None:
-        return min((t.deadline for c in self.queues for q in c.values() for t in q), default=None)
+        """When ``expire`` next has work: the earliest latest start of a queued ticket."""
+        return min((self.latest_start(t) for c in self.queues for q in c.values() for t in q), default=None)
 
     def depth(self) -> dict[str, int]:
         return {p: sum(len(q) for q in self.queues[i].values()) for i, p in enumerate(PRIORITIES)}
 
     def stats(self) -> dict[str, Any]:
-        return {"inflight": self.inflight, "queued": self.depth(), "admitted": self.admitted_total,
+        return {"inflight": self.inflight, "inflight_by_class": dict(zip(PRIORITIES, self.inflight_cls)), "queued": self.depth(), "admitted": self.admitted_total,
                 "retry_reservations": len(self.reservations), "retries_honoured": self.retries_honoured,
                 "retry_return_rate": round(self.return_rate, 3),
                 "shed": dict(self.shed_total), "capacity": self.capacity.stats(),
