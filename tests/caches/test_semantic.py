@@ -38,7 +38,7 @@ async def test_paraphrase_hits_and_negation_is_refused():
     await ask(f, up, make_call("What is the capital of France?"))
     r, body = await ask(f, up, make_call("Which city is the capital of France?"))
     cache = r.header(b"x-usefulwork-cache").decode()
-    assert cache.startswith("hit-semantic;score=") and float(cache.split("=")[1]) >= 0.92
+    assert cache.startswith("hit-semantic;score=") and float(cache.split("=")[1]) >= 0.91
     assert orjson.loads(body)["choices"][0]["message"]["content"] == "Paris."
     r, _ = await ask(f, up, make_call("Is the capital of France not Paris?"))
     assert r.header(b"x-usefulwork-cache") == b"miss"
