@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 from usefulwork.caches.config import CacheCfg, SemanticCfg  # noqa: E402
 from usefulwork.caches.filter import CacheFilter  # noqa: E402
 from usefulwork.caches.guard import refusal  # noqa: E402
-from usefulwork.embedding import conversation_text, shared_embedder  # noqa: E402
+from usefulwork.embedding import EmbeddingCfg, configure_shared, conversation_text  # noqa: E402
 from tests.caches.helpers import FakeUpstream, drive, make_call  # noqa: E402
 
 PAIRS = ROOT / "benchmarks" / "data" / "cache_pairs.yaml"
@@ -133,10 +133,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--bound", type=float, default=0.01)
     ap.add_argument("--json")
+    ap.add_argument("--embedding-backend", choices=("onnx-int8", "onnx", "torch"), default="onnx-int8")
     args = ap.parse_args()
     groups, probes = load_probes()
     texts = sorted({g["q"] for g in groups} | {t for _, _, t in probes})
-    emb = shared_embedder()
+    emb = configure_shared(EmbeddingCfg(backend=args.embedding_backend))
     t0 = time.perf_counter()
     mat = emb.encode([text_of(t) for t in texts])
     print(f"embedded {len(texts)} texts in {time.perf_counter() - t0:.1f} s")

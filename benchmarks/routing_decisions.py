@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import random
 import time
@@ -59,37 +60,40 @@ def prompt_200_tokens(rng: random.Random) -> str:
     return " ".join(rng.choice(words) for _ in range(185)) + " Explain why and propose a fix?"
 
 
-def bench_classifier(n: int = 300) -> dict:
+CLASSIFIER_VARIANTS = ("onnx-int8:128", "onnx-int8:256", "onnx:128", "torch:256")
+
+
+def bench_classifier(n: int = 300, variants: tuple[str, ...] = CLASSIFIER_VARIANTS) -> dict:
+    """Each variant (backend:max_tokens; the shipped one is onnx-int8:128, the old one torch:256)
+    decides the same prompts, interleaved, so machine noise falls on all alike."""
     from usefulwork.embedding import Embedder
     from usefulwork.routers.classifier import ClassifierRouter, Head
 
-    emb = Embedder()
-    emb.load()
-    router = ClassifierRouter(Head.load(), embedder=emb)
+    routers = {}
+    for v in variants:
+        backend, max_tokens = v.split(":")
+        routers[v] = ClassifierRouter(Head.load(), embedder=Embedder(backend=backend, threads=1).load(),
+                                      max_tokens=int(max_tokens))
     rng = random.Random(0)
-    tok = emb.load().tokenizer
-    text = prompt_200_tokens(rng)
-    n_tokens = len(tok(text)["input_ids"])
+    n_tokens = next(iter(routers.values())).embedder.tokenize([prompt_200_tokens(rng)])[2][0]
+    wall: dict[str, list[int]] = {v: [] for v in variants}
+    cpu: dict[str, list[int]] = {v: [] for v in variants}
 
-    cpu: list[int] = []
-
-    async def run() -> list[int]:
-        out = []
-        for i in range(n + 20):
+    async def run() -> None:
+        for _ in range(n + 20):
             body = {"messages": [{"role": "user", "content": prompt_200_tokens(rng)}]}
-            c = Call(RequestContext(id="b", endpoint="chat", model="auto", stream=False), "chat", b"", body, None, None, [])
-            t, tc = time.perf_counter_ns(), time.process_time_ns()
-            await router.decide(c)
-            out.append(time.perf_counter_ns() - t)
-            cpu.append(time.process_time_ns() - tc)
-        return out[20:]
+            for v, router in routers.items():
+                c = Call(RequestContext(id="b", endpoint="chat", model="auto", stream=False), "chat", b"", body, None,
+                         None, [])
+                t, tc = time.perf_counter_ns(), time.process_time_ns()
+                await router.decide(c)
+                wall[v].append(time.perf_counter_ns() - t)
+                cpu[v].append(time.process_time_ns() - tc)
 
-    res = pct(asyncio.run(run()))
-    res["prompt_tokens"] = n_tokens
-    # CPU time of the whole process per decision (all torch threads): robust to other tenants of
-    # the machine, where wall time is not
-    res["cpu"] = pct(cpu[20:])
-    return res
+    asyncio.run(run())
+    # CPU time of the whole process per decision (all threads): robust to other tenants of the
+    # machine, where wall time is not
+    return {v: {**pct(wall[v][20:]), "cpu": pct(cpu[v][20:]), "prompt_tokens": n_tokens} for v in variants}
 
 
 def bench_prefix(n: int = 20000, replicas: int = 16) -> dict:
@@ -134,10 +138,18 @@ def bench_prefix(n: int = 20000, replicas: int = 16) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
+    ap.add_argument("--only", choices=("heuristic", "prefix", "classifier"), default=None)
+    ap.add_argument("--n", type=int, default=300, help="classifier decisions per variant")
+    ap.add_argument("--variants", nargs="+", default=list(CLASSIFIER_VARIANTS), help="classifier backend:max_tokens")
     args = ap.parse_args()
     res = {"machine": f"{platform.machine()} {platform.processor() or ''} (shared 2-core VM)".strip(),
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "heuristic": bench_heuristic(), "prefix": bench_prefix(), "classifier": bench_classifier()}
+           "load_average": os.getloadavg()}
+    benches = {"heuristic": bench_heuristic, "prefix": bench_prefix,
+               "classifier": lambda: bench_classifier(args.n, tuple(args.variants))}
+    for name, fn in benches.items():
+        if args.only in (None, name):
+            res[name] = fn()
     print(json.dumps(res, indent=1))
     if args.json:
         with open(args.json, "w") as fh:

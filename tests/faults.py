@@ -147,3 +147,25 @@ def json_response(status: int, body: bytes, extra: bytes = b"") -> bytes:
     """A complete keep-alive HTTP/1.1 response with a JSON body."""
     return (b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n%s"
             % (status, len(body), extra, body))
+
+
+class SlowLoadingEmbedder:
+    """Builds the real embedder whose model load is held until ``release()`` (a slow start-up, injected)."""
+
+    def __new__(cls, **kw):
+        from usefulwork.embedding import Embedder
+
+        class _Slow(Embedder):
+            def __init__(self, **kw):
+                super().__init__(**kw)
+                self.gate = threading.Event()
+
+            def release(self) -> None:
+                self.gate.set()
+
+            def load(self):
+                if not self.gate.wait(120):
+                    raise TimeoutError("the test never released the load")
+                return super().load()
+
+        return _Slow(**kw)

@@ -20,6 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from usefulwork.caches.config import CacheCfg
+from usefulwork.embedding import EmbeddingCfg
 from usefulwork.routers.config import RoutingCfg
 from usefulwork.gateway.admission.config import AdmissionCfg
 from usefulwork.gateway.mirror import ShadowCfg
@@ -204,6 +205,8 @@ class Config(_Strict):
     telemetry: TelemetryCfg = TelemetryCfg()
     scale_out: ScaleOut = ScaleOut()
     cache: CacheCfg = Field(CacheCfg(), description="Exact and semantic response caches (the `cache` filter).")
+    embedding: EmbeddingCfg = Field(EmbeddingCfg(), description="The sentence embedder shared by the semantic "
+                                    "cache and the classifier router.")
     tenants: dict[str, TenantCfg] = Field(default_factory=dict, description="Tenant name -> hashed keys, limits, budget, priority, weight (docs/admission.md).")
     access: AccessCfg = AccessCfg()
     admission: AdmissionCfg = AdmissionCfg()

@@ -94,3 +94,31 @@ def test_bad_cache_control_is_a_400_before_anything_is_forwarded(pair, vllm_serv
     assert r.status_code == 400 and r.json()["error"]["param"] == "cache-control"
     r = httpx.post(a.url + "/usefulwork/cache/purge", json={"tenant": "default"}, timeout=10)
     assert r.status_code == 403  # no admin key configured: purging is refused
+
+
+def test_readiness_does_not_wait_for_the_embedder(vllm_server, tmp_path):
+    """A cold start (the ONNX file is generated, seconds): /readyz answers 200 before the model has
+    loaded; meanwhile exact caching works and semantic lookups are skipped, counted."""
+    emb_dir = tmp_path / "embedder-cache"  # empty: the embedder must generate its ONNX file first
+    cfg = pool_cfg(vllm_server.model, [vllm_server.base_url], filters=["cache"], embedding={"cache_dir": str(emb_dir)})
+    gw = start_gateway(tmp_path, cfg)
+    try:
+        assert httpx.get(gw.url + "/readyz", timeout=5).status_code == 200
+        assert cache_stats(gw)["embedder_loaded"] is False
+        client = openai.OpenAI(base_url=gw.v1, api_key="unused", max_retries=0)
+        ask = {"model": vllm_server.model, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 8,
+               "temperature": 0}
+        assert client.chat.completions.with_raw_response.create(**ask).headers["x-usefulwork-cache"] == "miss"
+        deadline = time.monotonic() + 30
+        while cache_stats(gw)["stored"] < 1:
+            assert time.monotonic() < deadline, cache_stats(gw)
+            time.sleep(0.1)
+        assert client.chat.completions.with_raw_response.create(**ask).headers["x-usefulwork-cache"] == "hit-exact"
+        deadline = time.monotonic() + 300
+        while not cache_stats(gw)["embedder_loaded"]:
+            assert time.monotonic() < deadline, gw.log_text()
+            time.sleep(0.5)
+        st = cache_stats(gw)
+        assert st["semantic_skipped_loading"] >= 1 and any(emb_dir.glob("embedder/*-int8.onnx"))
+    finally:
+        gw.stop()

@@ -50,6 +50,7 @@ async def test_an_answer_cached_through_one_replica_is_served_by_the_other(redis
     a, b = CacheFilter(cfg=cfg(redis_url, ns)), CacheFilter(cfg=cfg(redis_url, ns))
     await a.start()
     await b.start()
+    await a.embedder.wait_loaded()  # it loads in the background; this test is about hits, not start-up
     try:
         up_a, up_b = FakeUpstream("from A"), FakeUpstream("from B", delay_s=1.0)
         await ask(a, up_a, make_call("What is the capital of France?"))

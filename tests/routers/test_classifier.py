@@ -3,6 +3,7 @@ threshold calibration, and `usefulwork router train | eval` as a real subprocess
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -101,3 +102,22 @@ def test_cli_names_the_bad_line(tmp_path):
     assert r.returncode == 2 and f"{data}:2: label: 'huge'" in r.stderr
     r = run_cli("eval", str(data), "--router", "heuristic")
     assert r.returncode == 2 and f"{data}:2: label" in r.stderr
+
+
+async def test_heuristic_answers_until_the_embedder_has_loaded():
+    from tests.faults import SlowLoadingEmbedder
+    from usefulwork.routers import build_router
+    from usefulwork.routers.config import VirtualModel
+
+    router = build_router(VirtualModel(name="auto", small_pool="s", large_pool="l", router="classifier"))
+    slow = SlowLoadingEmbedder()
+    router._embedder = slow
+    hard = call_for("Design a multi-region payment ledger step by step: data model, consistency and failure modes.")
+    d = await asyncio.wait_for(router.decide(hard), 1.0)  # never waits for the model
+    assert d.tier == "large" and d.reason.startswith("classifier not loaded yet: heuristic "), d
+    assert router.fallbacks == 1 and "embedding" not in hard.memo
+    slow.release()
+    await slow.wait_loaded(120)
+    d = await router.decide(hard)
+    assert d.tier == "large" and d.reason.startswith("classifier P(large) ") and router.fallbacks == 1
+    assert router.max_tokens == 128  # the packaged head's: it was trained on the first 128 tokens

@@ -13,7 +13,7 @@ class SemanticCfg(_Strict):
     """The semantic cache: a hit for a differently worded request that means the same."""
 
     enabled: bool = Field(True, description="Look up by meaning (embedding of the whole conversation) after an exact miss.")
-    threshold: float = Field(0.92, gt=0.0, le=1.0, description="Cosine similarity a cached conversation must reach "
+    threshold: float = Field(0.91, gt=0.0, le=1.0, description="Cosine similarity a cached conversation must reach "
                              "to answer (default for every model; set on the labeled set, docs/caching.md).")
     thresholds: dict[str, float] = Field(default_factory=dict, description="Per-model threshold (model name -> cosine "
                                          "in (0, 1]), overriding `threshold`.")

@@ -39,7 +39,7 @@ from usefulwork.caches.keys import Keys, uncacheable
 from usefulwork.caches.replies import answer_from_events, answer_from_json, hit_reply
 from usefulwork.caches.store import Entry, MemoryStore, Store
 from usefulwork.caches.thresholds import ThresholdPolicy
-from usefulwork.embedding import conversation_text, shared_embedder
+from usefulwork.embedding import configure_shared, conversation_text, shared_embedder
 from usefulwork.gateway.errors import GatewayError, error_body
 from usefulwork.gateway.pipeline import Call, Handler, Reply, Services
 from usefulwork.gateway.tenants import Tenants, bearer
@@ -120,7 +120,9 @@ class CacheFilter:
         self.store = store if store is not None else self._build_store()
         self.index = VectorIndex(self.cfg.semantic.index_min_entries)
         self.store.listener = self.index
-        self.embedder = embedder if embedder is not None else (shared_embedder() if self.cfg.semantic.enabled else None)
+        if embedder is None and self.cfg.semantic.enabled:
+            embedder = configure_shared(gw.embedding) if gw is not None else shared_embedder()
+        self.embedder = embedder
         self.policy = ThresholdPolicy(self.cfg.semantic)
         # Who calls the admin and feedback routes: the gateway's own tenants and admin keys.
         self._tenants = Tenants(gw) if gw is not None else None
@@ -138,6 +140,7 @@ class CacheFilter:
         self.cpu_s = 0.0  # event-loop CPU spent in the filter (keys, lookups, guard, hit rendering)
         self.embeddings = 0
         self.semantic_skipped = 0  # lookups or vectors skipped because the embedder was backlogged
+        self.semantic_skipped_loading = 0  # ... because the embedder had not loaded yet (a miss; exact works)
         self.semantic_skipped_unpaid = 0  # ... because recent lookups rarely hit (semantic.min_hit_share)
         self._lookups: deque[bool] = deque(maxlen=PAYOFF_WINDOW)  # recent semantic lookups: hit or not
         self._unpaid = 0
@@ -180,8 +183,8 @@ class CacheFilter:
                 entry = await self.store.get(keys.partition, keys.exact)
                 if entry is not None and entry.created >= fresh_after:
                     reply = self._hit(call, entry, None)
-                elif (self.embedder is not None and self.index.size(keys.partition) and self._semantic_pays()
-                      and not self._embedder_busy()):
+                elif (self.embedder is not None and self.index.size(keys.partition) and self._embedder_ready()
+                      and self._semantic_pays() and not self._embedder_busy()):
                     self._spent(t0)
                     reply = await self._semantic_or_next(call, next, keys, fresh_after)
                     t0 = time.thread_time()
@@ -366,7 +369,7 @@ class CacheFilter:
         try:
             if self.embedder is not None:
                 vec = call.memo.get("embedding")
-                if vec is None and (self._embedder_busy() or not self._semantic_pays()):
+                if vec is None and (not self._embedder_ready() or self._embedder_busy() or not self._semantic_pays()):
                     pass  # filed for exact hits only: embedding it now would delay lookups that can hit
                 elif vec is None:
                     t = time.perf_counter()
@@ -396,6 +399,14 @@ class CacheFilter:
         self.semantic_skipped_unpaid += 1
         return False
 
+    def _embedder_ready(self) -> bool:
+        """The model has loaded (it loads in the background from ``start``); until then no vectors."""
+        if self.embedder.loaded:
+            return True
+        self.embedder.load_in_background()  # a filter that was never started loads on first need
+        self.semantic_skipped_loading += 1
+        return False
+
     def _embedder_busy(self) -> bool:
         """The embedder has a full batch waiting: skip optional embeddings rather than queue behind it."""
         if self.embedder.backlog >= self.embedder.max_batch:
@@ -406,8 +417,8 @@ class CacheFilter:
     # -- lifecycle and figures --
     async def start(self) -> None:
         await self.store.start()
-        if self.embedder is not None:  # load the model now, not on the first request that needs it
-            await asyncio.to_thread(self.embedder.load)
+        if self.embedder is not None:  # load now, in the background: readiness does not wait for it
+            self.embedder.load_in_background()
 
     async def stop(self) -> None:
         await self.drain()
@@ -425,6 +436,8 @@ class CacheFilter:
             "embeddings": self.embeddings,
             "semantic_skipped_busy": self.semantic_skipped,
             "semantic_skipped_unpaid": self.semantic_skipped_unpaid,
+            "semantic_skipped_loading": self.semantic_skipped_loading,
+            "embedder_loaded": self.embedder.loaded if self.embedder is not None else None,
             "bypass_reasons": dict(self.bypass_reasons),
             "guard_refusals": dict(self.guard_refusals),
             "store_errors": self.store_errors,

@@ -66,6 +66,9 @@ class PartitionIndex:
         self._hnsw = None
         if self._n >= self.hnsw_min:
             import faiss  # noqa: PLC0415 (only when a partition grows large)
+            # One query at a time gains nothing from OpenMP; its hand-offs between threads on busy
+            # cores are what made the p99 (docs/benchmarks.md section 9).
+            faiss.omp_set_num_threads(1)
             index = faiss.IndexHNSWFlat(DIM, HNSW_M, faiss.METRIC_INNER_PRODUCT)
             index.hnsw.efConstruction = HNSW_EF_CONSTRUCTION
             index.hnsw.efSearch = HNSW_EF_SEARCH

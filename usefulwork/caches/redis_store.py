@@ -36,6 +36,14 @@ log = logging.getLogger("usefulwork.cache.redis")
 LOG_MAXLEN = 100_000
 _SEP = "\x1f"
 
+# An exact lookup is one command: the entry, and its LRU touch when it exists (a two-command
+# pipeline costs redis-py about 40% more client CPU per lookup; docs/benchmarks.md section 9).
+_GET = """
+local v = redis.call('GET', KEYS[1])
+if v then redis.call('ZADD', KEYS[2], 'XX', ARGV[1], ARGV[2]) end
+return v
+"""
+
 _PUT = """
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[4])
 if ARGV[3] ~= '' then redis.call('HSET', KEYS[2], ARGV[1], ARGV[3]) end
@@ -86,6 +94,7 @@ class RedisStore:
         self.r = aioredis.Redis.from_url(self.url, socket_timeout=cfg.redis_timeout_s,
                                          socket_connect_timeout=cfg.redis_timeout_s)
         self._put = self.r.register_script(_PUT)
+        self._get = self.r.register_script(_GET)
         self._tail: asyncio.Task | None = None
         self._stopping = False
         self._last_id = "0-0"
@@ -96,10 +105,7 @@ class RedisStore:
         return f"{self.ns}:{kind}:{name}" if name else f"{self.ns}:{kind}"
 
     async def get(self, partition: str, key: str) -> Entry | None:
-        pipe = self.r.pipeline(transaction=False)
-        pipe.get(self._k("e", key))
-        pipe.zadd(self._k("lru", partition), {key: int(time.time() * 1000)}, xx=True)
-        raw, _ = await pipe.execute()
+        raw = await self._get(keys=[self._k("e", key), self._k("lru", partition)], args=[int(time.time() * 1000), key])
         return None if raw is None else Entry.from_bytes(raw)
 
     async def put(self, entry: Entry) -> None:

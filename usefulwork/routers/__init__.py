@@ -45,7 +45,8 @@ def build_router(vm: VirtualModel) -> Router:
         return HeuristicRouter(vm.heuristic)
     if vm.router == "classifier":
         from usefulwork.routers.classifier import ClassifierRouter  # noqa: PLC0415
-        return ClassifierRouter.from_cfg(vm.classifier)
+        from usefulwork.routers.heuristic import HeuristicRouter  # noqa: PLC0415
+        return ClassifierRouter.from_cfg(vm.classifier, fallback=HeuristicRouter(vm.heuristic))
     if vm.router == "confidence-gated":
         from usefulwork.routers.confidence import ConfidenceGate  # noqa: PLC0415
         return ConfidenceGate(vm.confidence)

@@ -130,16 +130,22 @@ def train(examples: list[Example], vecs: np.ndarray, target_large_share: float, 
 
 
 class ClassifierRouter:
+    """The head over the request's embedding; the heuristic router answers until the embedder has loaded."""
+
     name = "classifier"
 
-    def __init__(self, head: Head, threshold: float | None = None, embedder: Any = None):
+    def __init__(self, head: Head, threshold: float | None = None, embedder: Any = None,
+                 max_tokens: int | None = None, fallback: Any = None):
         self.head = head
         self.threshold = head.threshold if threshold is None else threshold
+        self.max_tokens = max_tokens if max_tokens is not None else head.meta.get("max_tokens")
         self._embedder = embedder
+        self.fallback = fallback  # a HeuristicRouter, used while the embedder loads
+        self.fallbacks = 0
 
     @classmethod
-    def from_cfg(cls, cfg: ClassifierCfg) -> ClassifierRouter:
-        return cls(Head.load(cfg.head_path), cfg.threshold)
+    def from_cfg(cls, cfg: ClassifierCfg, fallback: Any = None) -> ClassifierRouter:
+        return cls(Head.load(cfg.head_path), cfg.threshold, max_tokens=cfg.max_tokens, fallback=fallback)
 
     @property
     def embedder(self) -> Any:
@@ -155,4 +161,10 @@ class ClassifierRouter:
         return Decision("large" if large else "small", f"classifier P(large) {p:.3f} {op} {self.threshold:.3f}", p)
 
     async def decide(self, call: Call) -> Decision:
-        return self.decide_vec(await self.embedder.embed_call(call))
+        emb = self.embedder
+        if not emb.loaded and self.fallback is not None:  # never wait for the model: it loads meanwhile
+            emb.load_in_background()
+            self.fallbacks += 1
+            d = self.fallback.decide_body(call.body)
+            return Decision(d.tier, f"classifier not loaded yet: {d.reason}", d.score)
+        return self.decide_vec(await emb.embed_call(call, self.max_tokens))

@@ -20,6 +20,8 @@ import numpy as np
 
 from usefulwork.routers.labeled import Example, LabeledError, read_labeled
 
+DEFAULT_MAX_TOKENS = 128  # the router reads a conversation's first 128 tokens (docs/benchmarks.md section 6)
+
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", required=True)
@@ -30,6 +32,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                    help="share of held-out requests the calibrated threshold sends to the large tier")
     t.add_argument("--seed", type=int, default=0, help="seed of the train/calibration/test split")
     t.add_argument("--c", type=float, default=1.0, help="inverse regularisation strength of the logistic head")
+    t.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                   help="tokens of each conversation embedded (the first ones); stored in the head, which the "
+                        "router then embeds the same way")
     e = sub.add_parser("eval", help="evaluate a router on a labeled JSONL file")
     e.add_argument("labeled", help="JSONL in the train format (rows without a label count for shares only)")
     e.add_argument("--router", choices=("classifier", "heuristic"), default="classifier")
@@ -40,18 +45,25 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--chars-per-token", type=float, default=4.0)
     e.add_argument("--output-tokens", type=int, default=256, help="generated tokens assumed per request")
     e.add_argument("--json", action="store_true", help="print the report as JSON")
+    for p in (t, e):
+        p.add_argument("--embedding-backend", choices=("onnx-int8", "onnx", "torch"), default="onnx-int8",
+                       help="the embedder's backend (config: embedding.backend)")
 
 
-def embed(examples: list[Example]) -> np.ndarray:
+def embed(examples: list[Example], max_tokens: int | None = None) -> np.ndarray:
     from usefulwork.embedding import shared_embedder  # noqa: PLC0415
-    return shared_embedder().encode([e.text for e in examples])
+    return shared_embedder().encode([e.text for e in examples], max_tokens=max_tokens)
 
 
 def run_train(args: argparse.Namespace) -> int:
     from usefulwork.routers.classifier import train  # noqa: PLC0415
     examples = read_labeled(args.labeled)
-    head = train(examples, embed(examples), args.target_large_share, seed=args.seed, c=args.c)
+    if not 8 <= args.max_tokens <= 256:
+        raise ValueError(f"--max-tokens: {args.max_tokens} out of range [8, 256]")
+    head = train(examples, embed(examples, args.max_tokens), args.target_large_share, seed=args.seed, c=args.c)
     head.meta["trained_on"] = str(args.labeled)
+    head.meta["max_tokens"] = args.max_tokens
+    head.meta["embedding_backend"] = _backend()
     with open(args.out, "w") as fh:
         fh.write(head.to_json())
     print(json.dumps({"out": args.out, "threshold": round(head.threshold, 6), **head.meta}, indent=1))
@@ -87,15 +99,20 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.router == "classifier":
         from usefulwork.routers.classifier import ClassifierRouter, Head  # noqa: PLC0415
         router = ClassifierRouter(Head.load(args.head), args.threshold)
-        tiers = [router.decide_vec(v).tier for v in embed(examples)]
+        vecs = embed(examples, router.max_tokens)
+        tiers = [router.decide_vec(v).tier for v in vecs]
+        auroc = _auroc(examples, router.head.probs(vecs))
     else:
         from usefulwork.routers.config import HeuristicCfg  # noqa: PLC0415
         from usefulwork.routers.heuristic import HeuristicRouter  # noqa: PLC0415
         cfg = HeuristicCfg() if args.threshold is None else HeuristicCfg(threshold=args.threshold)
         router = HeuristicRouter(cfg)
         tiers = [router.decide_body(e.body).tier for e in examples]
+        auroc = _auroc(examples, np.array([router.score(e.body)[0] for e in examples]))
     report = {"router": args.router, **evaluate(examples, tiers, args.small_usd_per_1m, args.large_usd_per_1m,
                                                 args.chars_per_token, args.output_tokens)}
+    if auroc is not None:
+        report["auroc"] = auroc
     if args.json:
         print(json.dumps(report, indent=1))
     else:
@@ -104,7 +121,25 @@ def run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _auroc(examples: list[Example], scores: np.ndarray) -> float | None:
+    """How well the router's score separates large from small rows (None without both labels)."""
+    y = [(e.label == "large", s) for e, s in zip(examples, scores) if e.label is not None]
+    pos = [s for lab, s in y if lab]
+    neg = [s for lab, s in y if not lab]
+    if not pos or not neg:
+        return None
+    p, n = np.asarray(pos)[:, None], np.asarray(neg)[None, :]
+    return round(float((p > n).mean() + 0.5 * (p == n).mean()), 4)
+
+
+def _backend() -> str:
+    from usefulwork.embedding import shared_embedder  # noqa: PLC0415
+    return shared_embedder().backend
+
+
 def run(args: argparse.Namespace) -> int:
+    from usefulwork.embedding import EmbeddingCfg, configure_shared  # noqa: PLC0415
+    configure_shared(EmbeddingCfg(backend=args.embedding_backend))
     try:
         return run_train(args) if args.action == "train" else run_eval(args)
     except (LabeledError, ValueError) as exc:

@@ -49,6 +49,10 @@ class ClassifierCfg(_Strict):
                                   "None: the head that ships with the package.")
     threshold: float | None = Field(None, ge=0, le=1, description="P(large) at or above which the large tier "
                                     "is chosen; None: the head's calibrated threshold.")
+    max_tokens: int | None = Field(None, ge=8, le=256, description="Tokens of the conversation embedded for "
+                                   "the decision (the first ones); None: what the head was trained with "
+                                   "(its `max_tokens`), else the model's limit (256). Fewer is faster; a "
+                                   "conversation no longer than this shares its vector with the semantic cache.")
 
 
 class ConfidenceCfg(_Strict):

@@ -61,6 +61,16 @@ class RouterFilter:
         self.discarded_cost_usd = 0.0
         self.decide_s = 0.0
         self._otel = _Instruments(services.meter) if services.meter is not None else None
+        if any(vm.router == "classifier" for vm in services.cfg.routing.virtual_models):
+            from usefulwork.embedding import configure_shared  # noqa: PLC0415 (only with a classifier)
+            configure_shared(services.cfg.embedding)
+
+    async def start(self) -> None:
+        """Classifier routers start loading the embedder (in the background: they route by the
+        heuristic until it has loaded, and readiness does not wait for it)."""
+        for c in self.cascades.values():
+            if hasattr(c.router, "embedder"):
+                c.router.embedder.load_in_background()
 
     # -- the filter --
     async def __call__(self, call: Call, next: Handler) -> Reply:
