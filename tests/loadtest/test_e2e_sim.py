@@ -83,7 +83,9 @@ def _answered_before_the_client_left(result: dict, ledger: Path) -> list[str]:
     the client's own timeouts (never an error, a shed or a cut stream). No time tolerance is needed.
     """
     records = {rec["client_request_id"]: rec for rec in map(json.loads, ledger.read_text().splitlines())}
-    assert len(records) == len(result["request_ids"])  # every request the gateway saw is in its ledger
+    stopped = json.loads((ledger.parent / "results.json").read_text()).get("timings", {}).get("naive-single", {})
+    # every request the gateway saw is in its ledger (a clean stop writes everything it holds)
+    assert len(records) == len(result["request_ids"]), stopped
     late = []
     for rid, outcome in zip(result["request_ids"], result["outcomes"]):
         rec = records[rid]

@@ -22,6 +22,7 @@ class ManagedProcess:
     ready_path = "/health"
     poll_s = 0.2
     stop_timeout_s = 30.0
+    killed = False  # the last stop had to SIGKILL (what a clean stop would have written may be lost)
     proc: subprocess.Popen | None
     log_path: Path | None
 
@@ -79,6 +80,7 @@ class ManagedProcess:
         try:
             self.proc.wait(self.stop_timeout_s if timeout_s is None else timeout_s)
         except subprocess.TimeoutExpired:
+            self.killed = True
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except ProcessLookupError:

@@ -320,7 +320,9 @@ class Gateway(ManagedProcess):
 
     name = "gateway"
     ready_path = "/readyz"
-    stop_timeout_s = 20.0
+    # its SIGTERM grace (10 s for requests still running) plus the ledger's last settle and write
+    # (docs/reliability.md), with room for a busy machine: a SIGKILL would lose held records
+    stop_timeout_s = 60.0
 
     def __init__(self, config: dict[str, Any], workdir: Path) -> None:
         self.port = config["listen"]["port"]
@@ -649,9 +651,14 @@ def run_experiment(exp: Experiment, opts: Options, console: Console) -> dict[str
                 t_stop = time.monotonic()
                 if gateway:
                     gateway.stop()
+                    if gateway.killed:
+                        console.print(f"[bold red]{profile.name}[/]: the gateway did not stop within "
+                                      f"{gateway.stop_timeout_s:.0f}s of SIGTERM and was killed: its ledger may miss "
+                                      "records")
                 for b in backends:
                     b.stop()
                 timings[profile.name] = {"lock_wait_s": lock_wait, "start_s": started,
+                                         "gateway_killed": bool(gateway and gateway.killed),
                                          "stop_s": time.monotonic() - t_stop,
                                          "total_s": time.monotonic() - t_prof}
     data["ratios"] = ratios(exp, cells)
