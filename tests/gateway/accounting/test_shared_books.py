@@ -72,3 +72,26 @@ def test_three_meters_conserve_with_late_work_and_leaving_gateways(redis_url):
     assert abs(raw["cost_usd"] - raw["settled_k"] * DT * RATE / 3600) < 1e-9
     assert raw["idle_usd"] > 0 and paid > 0
     assert sum(m.attributed_usd for m in meters) == paid or abs(sum(m.attributed_usd for m in meters) - paid) < 1e-9
+
+
+def test_a_gateway_with_nothing_open_leaves_through_the_shared_books(redis_url):
+    """Leaving with no open interval and no new work (an idle gateway at SIGTERM) still goes through
+    Redis: before the fix, computing the forced frontier raised, and the gateway settled alone."""
+    prefix = f"usefulwork:test14c:{uuid.uuid4().hex[:8]}"
+
+    async def main() -> dict:
+        b = SharedBooks(ScaleOut(redis_url=redis_url, prefix=prefix, gateway_ttl_s=2.0), DT)
+        m = PoolMeter("p", RATE, 1_000_000.0, DT)
+        await b.join({"p": m})
+        assert not m.open_ks()
+        await b.leave({"p": m}, 1_000_003.0)  # raised TypeError before the fix
+        await b.close()
+        return m.fleet_books
+
+    try:
+        fleet = asyncio.run(main())
+        assert fleet["cost_usd"] > 0 and abs(fleet["idle_usd"] - fleet["cost_usd"]) < 1e-12  # all idle, booked once
+    finally:
+        r = redis.Redis.from_url(redis_url)
+        for key in r.scan_iter(f"{prefix}:*"):
+            r.delete(key)

@@ -156,7 +156,7 @@ class SharedBooks:
         floor = -1 if floor_t is None else m._k(floor_t)
         if floor >= 0:
             m.floor_k = max(m.floor_k, floor)
-        force = -1 if force_t is None else max(m._k(force_t) + 1, *(k + 1 for k in m.open_ks()), *(k + 1 for k in deltas))
+        force = -1 if force_t is None else max([m._k(force_t) + 1, *(k + 1 for k in m.open_ks()), *(k + 1 for k in deltas)])
         k_now = m._k(now if now is not None else time.time())
         wanted = sorted(set(m.open_ks()) | set(deltas) | set(range(m.settled_k, k_now + 1)))
         args: list = [self.gid, floor, force, repr(m.rate * self.dt), self.cfg.gateway_ttl_s,
