@@ -30,6 +30,7 @@ import redis.asyncio as aioredis
 from usefulwork.caches.config import CacheCfg
 from usefulwork.caches.store import Entry, StoreListener
 from usefulwork.embedding import DIM
+from usefulwork.tasks import cancel_and_wait
 
 log = logging.getLogger("usefulwork.cache.redis")
 
@@ -211,10 +212,5 @@ class RedisStore:
 
     async def stop(self) -> None:
         self._stopping = True
-        if self._tail is not None:
-            self._tail.cancel()
-            try:
-                await self._tail
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._tail)
         await self.r.aclose()

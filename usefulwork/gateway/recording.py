@@ -39,6 +39,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
 from usefulwork.gateway.pipeline import Call, Handler, Reply, Services
+from usefulwork.tasks import cancel_and_wait
 
 log = logging.getLogger("usefulwork.record")
 
@@ -291,13 +292,8 @@ class RecordFilter:
         self._task = asyncio.create_task(self._loop(), name="usefulwork-record-drain")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         self.drain(final=True)
         await asyncio.to_thread(self.log.close)
 

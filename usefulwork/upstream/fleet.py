@@ -17,6 +17,7 @@ import httpx
 
 from usefulwork.upstream.http1 import UpstreamPool
 from usefulwork.config import Config, Pool
+from usefulwork.tasks import cancel_and_wait
 
 log = logging.getLogger("usefulwork.fleet")
 
@@ -241,12 +242,7 @@ class Fleet:
         self._task = asyncio.create_task(self._loop(), name="fleet-prober")
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._task)
         for r in self.replicas:
             r.http.close()
         if self._own_client:

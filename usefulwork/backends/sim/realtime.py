@@ -14,6 +14,7 @@ from typing import Sequence
 
 from usefulwork.backends.sim.engine import OutputSink, SimEngine
 from usefulwork.backends.sim.scheduler import SimRequest
+from usefulwork.tasks import cancel_and_wait
 
 # Event-loop timers are ~1 ms coarse: sleeping for every sub-millisecond step (a GPU step at a
 # high time scale) would add ~1 ms per step. Steps run ahead by up to this much wall time instead.
@@ -62,13 +63,8 @@ class RealtimeRunner:
             self._task = asyncio.get_running_loop().create_task(self.run(), name="sim-engine")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     async def _sleep_until(self, sim_t: float) -> None:
         delay = (sim_t - self.sim_now()) / self.time_scale

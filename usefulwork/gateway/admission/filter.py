@@ -37,6 +37,7 @@ from starlette.routing import Route
 from usefulwork.gateway.errors import JSON_HEADERS, error_body
 from usefulwork.gateway.pipeline import Call, Handler, Reply
 from usefulwork.gateway.tenants import PRIORITIES, Tenants
+from usefulwork.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from usefulwork.gateway.pipeline import Services
@@ -376,12 +377,7 @@ class AdmissionFilter:
                     break
 
     async def stop(self) -> None:
-        if self._sync_task is not None:
-            self._sync_task.cancel()
-            try:
-                await self._sync_task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._sync_task)
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.limits.close()
