@@ -188,6 +188,19 @@ def gateway_child(config_path: str, port: int, accounting: str) -> None:
     run_gateway(cfg.model_copy(update={"listen": cfg.listen.model_copy(update={"port": port})}))
 
 
+def filter_counts(port: int) -> dict:
+    """The gateway's per-filter counters (``/usefulwork/stats``), flattened to ``filter.name``: numbers only."""
+    import urllib.request  # noqa: PLC0415
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/usefulwork/stats", timeout=5) as r:
+            filters = json.loads(r.read()).get("filters") or {}
+    except OSError:
+        return {}
+    return {f"{f}.{k}": v for f, st in filters.items() if isinstance(st, dict)
+            for k, v in st.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
 def wait_http(url: str, timeout: float = 30) -> None:
     import httpx
 
@@ -267,8 +280,11 @@ def main() -> int:
             for c in conc:
                 direct = run_load_process(mock_port, stream, c, args.duration, args.client_core, args.unique)
                 for name, (gw, port) in gateways.items():
-                    cpu0 = cpu_seconds(gw.pid)
+                    cpu0, counts0 = cpu_seconds(gw.pid), filter_counts(port)
                     via = run_load_process(port, stream, c, args.duration, args.client_core, args.unique)
+                    counts1 = filter_counts(port)
+                    # what the filters counted during this point (gauges such as loop_lag_ms: the value after it)
+                    via["filters"] = {k: v - counts0.get(k, 0) if isinstance(v, int) else v for k, v in counts1.items()}
                     # includes the 1 s warm-up's requests in the CPU but not in the count: an upper bound
                     via["cpu_us_per_req"] = (cpu_seconds(gw.pid) - cpu0) / max(via["requests"], 1) * 1e6
                     row = {"variant": name, "mode": "stream-16" if stream else "unary", "concurrency": c,

@@ -18,7 +18,10 @@ arrives: ``dropped_primary_busy`` when the gateway's in-flight leases on the pri
 replica reports saturation as last scraped (the admission filter's test: vLLM's waiting queue above a
 quarter of its running requests, or KV-cache usage above ``admission.kv_high``); ``dropped_busy`` when
 ``shadow.max_inflight`` shadow requests are already running; ``dropped_down`` when no shadow replica is
-usable.
+usable; ``dropped_gateway_busy`` when the gateway process itself is saturated: its event loop ran a
+timer more than ``shadow.busy_loop_lag_ms`` late within the last 200 ms (``usefulwork.gateway.loop_lag``).
+A shadow copy costs the gateway a second forward; on a saturated core that CPU would queue every primary
+request behind it, so it is the first work to go.
 Each shadow request's result is written as a traffic-log record (``usefulwork.gateway.recording``) to
 ``shadow.dir`` with ``shadow_of`` = the primary's request id, so it joins the primary's record
 (redacted when ``record.redact`` is on); ``usefulwork replay LOG --shadow-log DIR`` compares the two.
@@ -38,6 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from usefulwork.gateway.context import RequestContext
 from usefulwork.gateway.errors import GatewayError
+from usefulwork.gateway.loop_lag import LoopLag
 from usefulwork.gateway.pipeline import Call, Handler, Reply, Services, classify
 
 log = logging.getLogger("usefulwork.mirror")
@@ -56,6 +60,9 @@ class ShadowCfg(BaseModel):
     busy_inflight_per_replica: float | None = Field(
         None, gt=0, description="Not mirrored while the gateway has this many requests in flight per healthy "
         "replica of the primary pool (its leases, the request itself not counted); None: no such limit.")
+    busy_loop_lag_ms: float | None = Field(
+        1.0, gt=0, description="Not mirrored while the gateway's event loop runs timers later than this (ms, the "
+        "largest lateness over the last 200 ms): the gateway's own core is saturated. None: no such test.")
     drop_when_saturated: bool = Field(
         True, description="Not mirrored while a primary replica reports saturation as last scraped (the "
         "admission filter's test: waiting > max(1, running/4), or KV-cache usage > admission.kv_high).")
@@ -83,11 +90,14 @@ class MirrorFilter:
         self.fleet = services.fleet
         self.kv_high = services.cfg.admission.kv_high
         self.counts = {"mirrored": 0, "ok": 0, "failed": 0, "dropped_primary_busy": 0,
-                       "dropped_primary_saturated": 0, "dropped_busy": 0, "dropped_down": 0}
+                       "dropped_primary_saturated": 0, "dropped_gateway_busy": 0, "dropped_busy": 0,
+                       "dropped_down": 0}
+        self.lag = LoopLag()
         self._counter = None if services.meter is None else services.meter.create_counter(
             "usefulwork.shadow.requests", unit="{request}",
             description="Mirrored requests by result: mirrored, ok, failed, or why one was not mirrored "
-                        "(dropped_primary_busy, dropped_primary_saturated, dropped_busy, dropped_down).")
+                        "(dropped_primary_busy, dropped_primary_saturated, dropped_gateway_busy, dropped_busy, "
+                        "dropped_down).")
         self.log = TrafficLog(RecordCfg(dir=cfg.dir, redact=services.cfg.record.redact))
         self._rand = random.random
 
@@ -120,6 +130,8 @@ class MirrorFilter:
 
     def _mirror(self, call: Call) -> None:
         busy = self._primary_busy(call)
+        if busy is None and self.cfg.busy_loop_lag_ms is not None and self.lag.busy(self.cfg.busy_loop_lag_ms):
+            busy = "dropped_gateway_busy"
         if busy is not None:
             self._count(busy)
             return
@@ -177,8 +189,11 @@ class MirrorFilter:
 
     async def start(self) -> None:
         self.log.start()
+        if self.cfg.busy_loop_lag_ms is not None:
+            self.lag.start()
 
     async def stop(self) -> None:
+        self.lag.stop()
         for t in list(self.tasks):
             t.cancel()
         if self.tasks:
@@ -186,5 +201,6 @@ class MirrorFilter:
         await asyncio.to_thread(self.log.close)
 
     def stats(self) -> dict[str, Any]:
-        return {**self.counts, "inflight": len(self.tasks), "pool": self.cfg.pool, "sample": self.cfg.sample,
+        return {**self.counts, "inflight": len(self.tasks), "loop_lag_ms": round(self.lag.lag_ms, 3),
+                "pool": self.cfg.pool, "sample": self.cfg.sample,
                 "written": self.log.written, "dropped_write": self.log.dropped_write + self.log.dropped_queue}
