@@ -32,12 +32,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from usefulwork.backends.sim.process import SimProcess
-from usefulwork.cli import main as cli_main
-from usefulwork.loadtest.experiment import Gateway
-from usefulwork.loadtest.replay import read_log, recorded_figures
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script: `python benchmarks/replay_fidelity.py`
 
-from benchmarks.replay_drift import free_port
+from benchmarks.replay_drift import free_port  # noqa: E402
+from usefulwork.backends.sim.process import SimProcess  # noqa: E402
+from usefulwork.cli import main as cli_main  # noqa: E402
+from usefulwork.loadtest.experiment import Gateway  # noqa: E402
+from usefulwork.loadtest.replay import read_log, recorded_figures  # noqa: E402
 
 KEYS = ("p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "p50_e2el_ms", "p90_e2el_ms", "p99_e2el_ms")
 

@@ -300,3 +300,43 @@ async def test_one_open_request_does_not_hold_back_later_records():
     idle = sum(m.idle_usd for m in acc.meters.values())
     fleet_cost = sum(m.rate * (m.closed_at - m.started_at) for m in acc.meters.values())
     assert sum(r["gpu_cost_usd"] for r in recs) + idle == pytest.approx(fleet_cost, abs=1e-9, rel=0)
+
+
+class _BooksThatNeverSettle:
+    """Fault injection: shared GPU books that accept work but never settle an interval (a settlement bug,
+    like the one a peer's leave once caused: tests/gateway/accounting/test_shared_books.py)."""
+
+    async def join(self, meters):
+        for m in meters.values():
+            m.pending = []
+
+    async def sync(self, m, floor_t, force_t=None, now=None):
+        m.take_pending()
+        return []
+
+    async def leave(self, meters, now):
+        return []
+
+    async def publish(self, raw):
+        pass
+
+    async def withdraw(self):
+        pass
+
+    async def close(self):
+        pass
+
+
+async def test_stop_writes_records_whose_gpu_time_was_never_settled():
+    acc, sink, clock = make_accountant()
+    acc.shared = _BooksThatNeverSettle()
+    await acc.start()
+    acc.finish(ctx_at(T0 + 1))
+    acc.finish(ctx_at(T0 + 2, pool=None, outcome="rejected", prompt=0, completion=0))
+    clock.t = T0 + 10
+    await asyncio.sleep(0.2)
+    assert [r["outcome"] for r in records(sink)] == ["rejected"]  # the other one is held for settlement
+    await acc.stop()
+    recs = records(sink)
+    assert sorted(r["outcome"] for r in recs) == ["ok", "rejected"]  # nothing lost at shutdown
+    assert [r["gpu_cost_usd"] for r in recs if r["outcome"] == "ok"] == [0.0]  # none was settled for it

@@ -95,3 +95,36 @@ def test_a_gateway_with_nothing_open_leaves_through_the_shared_books(redis_url):
         r = redis.Redis.from_url(redis_url)
         for key in r.scan_iter(f"{prefix}:*"):
             r.delete(key)
+
+
+def test_work_moved_past_a_peers_leave_is_settled_when_its_gateway_leaves_too(redis_url):
+    """Two workers stopped by one SIGTERM: A leaves first and moves the fleet's frontier past the current
+    interval; B's last request (booked there, not yet pushed) moves to the first open interval, which B's
+    own leave must settle too. Before the fix it stayed open: the share kept ``pending`` > 0 and the ledger
+    never wrote that request's record (tests/gateway/test_workers.py lost 1 of 51 now and then)."""
+    prefix = f"usefulwork:test14d:{uuid.uuid4().hex[:8]}"
+
+    async def main() -> tuple[Share, dict]:
+        cfg = ScaleOut(redis_url=redis_url, prefix=prefix, gateway_ttl_s=5.0)
+        a, b = SharedBooks(cfg, DT), SharedBooks(cfg, DT)
+        t0 = 1_000_000.0
+        ma, mb = PoolMeter("p", RATE, t0, DT), PoolMeter("p", RATE, t0, DT)
+        await a.join({"p": ma})
+        await b.join({"p": mb})
+        now = t0 + 10 * DT + 0.1
+        s = Share(key="last", tenant="t")
+        mb.book(s, [(now - 0.3, now, 40.0)])  # finished just before the SIGTERM, in the current interval
+        await a.leave({"p": ma}, now)
+        await b.leave({"p": mb}, now)  # same instant, same interval
+        for x in (a, b):
+            await x.close()
+        return s, mb.fleet_books
+
+    try:
+        share, fleet = asyncio.run(main())
+    finally:
+        r = redis.Redis.from_url(redis_url)
+        for key in r.scan_iter(f"{prefix}:*"):
+            r.delete(key)
+    assert share.pending == 0 and share.usd > 0
+    assert abs(fleet["attributed_usd"] + fleet["idle_usd"] - fleet["cost_usd"]) < 1e-9, fleet

@@ -184,6 +184,11 @@ class Ledger:
                 self._wake.set()
                 await self._task  # ends after its current pass
             await self._process(final=True, write=False)
+            if self._held:  # never lose a record at shutdown, even if settlement left a share open
+                log.error("ledger: %d records still held after the final settlement; written with the GPU $ "
+                          "settled for them so far", len(self._held))
+                self._enqueue([{**rec, "gpu_cost_usd": share.usd} for share, rec in self._held.values()])
+                self._held.clear()
             self._deadline = time.monotonic() + self.cfg.ledger.shutdown_timeout_s
             await self._write_sinks()
             while any(self._backlog.values()) and time.monotonic() < self._deadline:

@@ -49,11 +49,15 @@ local gid, floor, force = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local usd, ttl, paid, n = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6], tonumber(ARGV[7])
 redis.call('EXPIRE', KEYS[5], math.ceil(ttl * 2))
 local k0 = tonumber(redis.call('HGET', KEYS[4], 'settled_k') or '0')
+local kmax = -1
 for i = 0, n - 1 do
   local k = tonumber(ARGV[8 + 2 * i])
   if k < k0 then k = k0 end
+  if k > kmax then kmax = k end
   redis.call('HINCRBYFLOAT', KEYS[1], tostring(k), ARGV[9 + 2 * i])
 end
+-- a leaving gateway settles every interval it booked into, including late work moved to k0 just now
+if force >= 0 and force <= kmax then force = kmax + 1 end
 if tonumber(paid) ~= 0 then redis.call('HINCRBYFLOAT', KEYS[4], 'attributed_usd', paid) end
 if floor >= 0 then
   redis.call('HSET', KEYS[2], gid, floor)
