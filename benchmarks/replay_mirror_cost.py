@@ -2,8 +2,9 @@
 
 For each shadow (``healthy``: a second zero-think-time mock; ``stalled``: a server that answers health
 probes and never answers a request) and each ``shadow.sample``, it runs ``benchmarks/overhead.py`` with
-two gateway variants in the same run, interleaved at every point: ``none`` (no filter) and ``mirror``;
-both have the shadow pool in their config. It prints the primary's added p50/p99 for each and the
+three gateway variants in the same run, interleaved at every point: ``none`` (no filter), ``mirror``, and
+``none-again`` (a second identical ``none``: its difference from ``none`` is the run's noise floor, the
+"A/A" column); all have the shadow pool in their config. It prints the primary's added p50/p99 for each and the
 difference mirror - none (target, issue #13: at most 1 ms p99 added), with the gateway's CPU per request and
 how many requests were mirrored or not (by the mirror filter's own counters).
 The healthy shadow mock runs on the client core (with the primary mock and the load generator), as a
@@ -66,7 +67,8 @@ def run_pair(shadow_url: str, sample: float, args, tmp: Path) -> list[dict]:
     out = tmp / "rows.json"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "overhead.py"), "--duration", str(args.duration),
                     "--concurrency", args.concurrency, "--variant", "none=.", "--variant", "mirror=.:mirror",
-                    "--overlay", f"none={overlay}", "--overlay", f"mirror={overlay}", "--json", str(out)],
+                    "--variant", "none-again=.", "--overlay", f"none={overlay}", "--overlay", f"mirror={overlay}",
+                    "--overlay", f"none-again={overlay}", "--json", str(out)],
                    check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())["rows"]
 
@@ -85,10 +87,11 @@ def main() -> int:
         asyncio.run(stall_forever(args.stall_server))
         return 0
     worst = float("-inf")
+    floors: list[float] = []
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; load average {os.getloadavg()[0]:.1f} "
           f"on {os.cpu_count()} cores")
     print(f"{'shadow':8} {'sample':>6} {'mode':>9} {'conc':>4} | {'none p50/p99 ms':>16} | {'mirror p50/p99 ms':>17} | "
-          f"{'mirror-none p99':>15} | {'CPU us/req none/mirror':>22} | errors | mirrored / gateway-busy / other drops")
+          f"{'mirror-none p99':>15} | {'A/A p99':>8} | {'CPU us/req none/mirror':>22} | errors | mirrored / gateway-busy / other drops")
     with tempfile.TemporaryDirectory() as tmp_s:
         for kind in args.shadows.split(","):
             proc, url = start_shadow(kind, args.client_core)
@@ -101,12 +104,14 @@ def main() -> int:
                             continue
                         n = by[("none", mode, c)]
                         d99 = r["added_p99_ms"] - n["added_p99_ms"]
+                        aa = by[("none-again", mode, c)]["added_p99_ms"] - n["added_p99_ms"]  # the noise floor
+                        floors.append(abs(aa))
                         fc = r["gateway"].get("filters", {})
                         others = sum(v for k, v in fc.items() if k.startswith("mirror.dropped_")
                                      and k != "mirror.dropped_gateway_busy")
                         worst = max(worst, d99)
                         print(f"{kind:8} {sample:6g} {mode:>9} {c:4d} | {n['added_p50_ms']:7.3f} / {n['added_p99_ms']:6.3f} "
-                              f"| {r['added_p50_ms']:8.3f} / {r['added_p99_ms']:6.3f} | {d99:+15.3f} | "
+                              f"| {r['added_p50_ms']:8.3f} / {r['added_p99_ms']:6.3f} | {d99:+15.3f} | {aa:+8.3f} | "
                               f"{n['gateway']['cpu_us_per_req']:10.0f} / {r['gateway']['cpu_us_per_req']:9.0f} | "
                               f"{n['gateway']['errors']}/{r['gateway']['errors']} | {fc.get('mirror.mirrored', 0)} / "
                               f"{fc.get('mirror.dropped_gateway_busy', 0)} / {others}", flush=True)
@@ -114,7 +119,9 @@ def main() -> int:
                 proc.terminate()
                 proc.wait(10)
     print(f"worst mirror-minus-none added p99 {worst:+.3f} ms (target <= {args.target_p99_ms:g} ms: "
-          f"{'met' if worst <= args.target_p99_ms else 'MISSED'}); load average {os.getloadavg()[0]:.1f}")
+          f"{'met' if worst <= args.target_p99_ms else 'MISSED'}); noise floor (none-again minus none, same run): "
+          f"largest |A/A| {max(floors, default=0):.3f} ms, median {sorted(floors)[len(floors) // 2] if floors else 0:.3f} ms; "
+          f"load average {os.getloadavg()[0]:.1f}")
     return 0 if worst <= args.target_p99_ms else 1
 
 

@@ -273,9 +273,11 @@ def test_shadow_work_is_never_counted_against_tenant_limits(sims, tmp_path):
 
 
 def test_a_saturated_gateway_loop_makes_the_mirror_drop_and_a_free_one_mirrors(sims, tmp_path):
-    """In-process, on a real event loop: while the loop has just run a timer late (a real 60 ms stall of the
-    loop, as a saturated core makes), the request is not mirrored (``dropped_gateway_busy``); once the stall
-    has left the lag window, the next request is mirrored to the real shadow simulator and answered there."""
+    """In-process, on a real event loop: while the loop is saturated (ready work queued ahead of every
+    callback, as a gateway core serving more than it can makes), the request is not mirrored
+    (``dropped_gateway_busy``); once the loop is free again, the next request is mirrored to the real
+    shadow simulator and answered there."""
+    from tests.gateway.test_loop_lag import saturate  # noqa: PLC0415
     from usefulwork import config  # noqa: PLC0415
     from usefulwork.gateway.context import NullAccountant, RequestContext  # noqa: PLC0415
     from usefulwork.gateway.filters import build_filters  # noqa: PLC0415
@@ -287,7 +289,7 @@ def test_a_saturated_gateway_loop_makes_the_mirror_drop_and_a_free_one_mirrors(s
         "pools": [{"name": "primary", "models": [MODEL], "replicas": [primary.base_url]},
                   {"name": "candidate", "models": [SHADOW_MODEL], "replicas": [shadow.base_url]}],
         "filters": ["mirror"], "timeouts": {"health_interval_s": 0.2},
-        "shadow": {"pool": "candidate", "sample": 1.0, "busy_loop_lag_ms": 20.0, "drop_when_saturated": False,
+        "shadow": {"pool": "candidate", "sample": 1.0, "busy_loop_lag_ms": 2.0, "drop_when_saturated": False,
                    "dir": str(tmp_path / "shadow")}}, environ={})
 
     async def answer(call: Call) -> Reply:
@@ -298,36 +300,35 @@ def test_a_saturated_gateway_loop_makes_the_mirror_drop_and_a_free_one_mirrors(s
         ctx = RequestContext(id=f"r{i}", endpoint="chat", model=MODEL, stream=False)
         return Call(ctx, "chat", b"/v1/chat/completions", body, orjson.dumps(body), None, [])
 
+    async def until(cond, timeout: float = 10.0) -> None:
+        end = time.monotonic() + timeout
+        while not cond() and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+
     async def scenario():
         fleet = Fleet(cfg)
         await fleet.start()
         [mirror] = build_filters(cfg.filters, Services(cfg, fleet, NullAccountant()))
         await mirror.start()
         try:
-            for _ in range(50):  # the prober marks the shadow healthy
-                if fleet.pools["candidate"].healthy_replicas():
-                    break
-                await asyncio.sleep(0.1)
-            await asyncio.sleep(0.05)
-            time.sleep(0.06)  # the loop is stalled: its next timer runs ~60 ms late
-            await asyncio.sleep(0.025)  # let that timer fire (late) and record it
-            busy = dict(mirror.counts), mirror.lag.lag_ms
+            await until(lambda: bool(fleet.pools["candidate"].healthy_replicas()))  # the prober marks it up
+            running = saturate(asyncio.get_running_loop(), chains=4, hold_s=0.002)  # ~8 ms ahead of each probe
+            await until(lambda: mirror.lag.lag_ms > 2.0)
+            lag_then = mirror.lag.lag_ms
             assert (await mirror(call_for(1), answer)).status == 200
             after_busy = dict(mirror.counts)
-            for _ in range(20):  # 10 timers of 20 ms later the stall has left the window (a noisy host may
-                await asyncio.sleep(0.2)  # add its own lateness: wait until the loop is measured free)
-                free_lag = mirror.lag.lag_ms
-                if free_lag < 20.0:
-                    break
+            running[0] = False
+            await until(lambda: mirror.lag.lag_ms < 2.0)  # free again (a noisy host may take a moment)
+            free_lag = mirror.lag.lag_ms
             assert (await mirror(call_for(2), answer)).status == 200
             await asyncio.wait(list(mirror.tasks), timeout=10)
-            return busy, after_busy, free_lag, dict(mirror.counts)
+            return lag_then, after_busy, free_lag, dict(mirror.counts)
         finally:
             await mirror.stop()
             await fleet.stop()
 
-    (before, lag_then), after_busy, free_lag, final = asyncio.run(scenario())
-    assert lag_then > 20.0 and before["mirrored"] == 0
-    assert after_busy["dropped_gateway_busy"] == 1 and after_busy["mirrored"] == 0
-    assert free_lag < 20.0, free_lag
-    assert final["mirrored"] == 1 and final["ok"] == 1 and final["dropped_gateway_busy"] == 1
+    lag_then, after_busy, free_lag, final = asyncio.run(scenario())
+    assert lag_then > 2.0, lag_then
+    assert after_busy["dropped_gateway_busy"] == 1 and after_busy["mirrored"] == 0, after_busy
+    assert free_lag < 2.0, free_lag
+    assert final["mirrored"] == 1 and final["ok"] == 1 and final["dropped_gateway_busy"] == 1, final

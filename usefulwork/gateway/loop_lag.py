@@ -1,10 +1,13 @@
-"""How late the gateway's event loop runs its timers: the gateway's own CPU saturation signal.
+"""How long ready work waits on the gateway's event loop: the gateway's own CPU saturation signal.
 
 A gateway process serves every request on one event loop. When its core is saturated, ready callbacks
-queue behind each other and a timer fires late by about one loop iteration's worth of work; when the
-core has headroom it fires within tens of microseconds. ``LoopLag`` arms one timer every
-``interval_s`` (50 per second by default: a few microseconds of CPU each) and keeps the largest lateness
-seen over the last ``window`` timers, so one slow iteration is remembered for ``window x interval_s``.
+queue behind each other and a new one waits for the work ahead of it; when the core has headroom it
+runs at once. ``LoopLag`` measures exactly that wait: every ``interval_s`` (50 times a second by
+default, a few microseconds of CPU each) a timer makes a probe callback ready and the probe records how
+long it waited to run (``time.perf_counter``: the loop's own clock is millisecond-grained on uvloop).
+Its figure is the **median** of the last ``window`` probes (half a second): a saturated loop delays
+most probes, while one slow iteration (a garbage collection, a ledger pass) on a loop with headroom
+delays one, and the median ignores it.
 
 Work that is optional (the ``mirror`` filter's shadow copies) asks ``busy(threshold_ms)`` before it
 adds CPU to a saturated process: extra work there shows up as queueing in every primary request's
@@ -14,32 +17,30 @@ latency, whatever the fleet behind the gateway is doing.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 
 
 class LoopLag:
-    def __init__(self, interval_s: float = 0.02, window: int = 10):
+    def __init__(self, interval_s: float = 0.02, window: int = 25):
         self.interval_s = interval_s
         self.recent: deque[float] = deque(maxlen=window)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._due = 0.0
         self._handle: asyncio.TimerHandle | None = None
 
     def start(self) -> None:
         """Arm the first timer on the running loop (idempotent)."""
         if self._handle is None:
             self._loop = asyncio.get_running_loop()
-            self._arm()
+            self._handle = self._loop.call_later(self.interval_s, self._tick)
 
-    def _arm(self) -> None:
+    def _tick(self) -> None:
         assert self._loop is not None
-        self._due = self._loop.time() + self.interval_s
-        self._handle = self._loop.call_at(self._due, self._fire)
+        self._loop.call_soon(self._probe, time.perf_counter())
+        self._handle = self._loop.call_later(self.interval_s, self._tick)
 
-    def _fire(self) -> None:
-        assert self._loop is not None
-        self.recent.append(max(0.0, self._loop.time() - self._due))
-        self._arm()
+    def _probe(self, t_ready: float) -> None:
+        self.recent.append(time.perf_counter() - t_ready)
 
     def stop(self) -> None:
         if self._handle is not None:
@@ -48,7 +49,14 @@ class LoopLag:
 
     @property
     def lag_ms(self) -> float:
-        """The largest lateness over the recent window, in ms (0 before the first timer fired)."""
+        """The median wait of the recent probes, in ms (0 before the first probe ran)."""
+        if not self.recent:
+            return 0.0
+        return 1000.0 * sorted(self.recent)[len(self.recent) // 2]
+
+    @property
+    def max_lag_ms(self) -> float:
+        """The longest wait of the recent probes, in ms."""
         return 1000.0 * max(self.recent, default=0.0)
 
     def busy(self, threshold_ms: float) -> bool:

@@ -18,8 +18,9 @@ arrives: ``dropped_primary_busy`` when the gateway's in-flight leases on the pri
 replica reports saturation as last scraped (the admission filter's test: vLLM's waiting queue above a
 quarter of its running requests, or KV-cache usage above ``admission.kv_high``); ``dropped_busy`` when
 ``shadow.max_inflight`` shadow requests are already running; ``dropped_down`` when no shadow replica is
-usable; ``dropped_gateway_busy`` when the gateway process itself is saturated: its event loop ran a
-timer more than ``shadow.busy_loop_lag_ms`` late within the last 200 ms (``usefulwork.gateway.loop_lag``).
+usable; ``dropped_gateway_busy`` when the gateway process itself is saturated: ready work on its event
+loop waits more than ``shadow.busy_loop_lag_ms`` to run (the median of the last half second's probes,
+``usefulwork.gateway.loop_lag``).
 A shadow copy costs the gateway a second forward; on a saturated core that CPU would queue every primary
 request behind it, so it is the first work to go.
 Each shadow request's result is written as a traffic-log record (``usefulwork.gateway.recording``) to
@@ -61,8 +62,8 @@ class ShadowCfg(BaseModel):
         None, gt=0, description="Not mirrored while the gateway has this many requests in flight per healthy "
         "replica of the primary pool (its leases, the request itself not counted); None: no such limit.")
     busy_loop_lag_ms: float | None = Field(
-        1.0, gt=0, description="Not mirrored while the gateway's event loop runs timers later than this (ms, the "
-        "largest lateness over the last 200 ms): the gateway's own core is saturated. None: no such test.")
+        1.0, gt=0, description="Not mirrored while ready work on the gateway's event loop waits longer than this "
+        "to run (ms, the median of the last 0.5 s of probes): the gateway's own core is saturated. None: no such test.")
     drop_when_saturated: bool = Field(
         True, description="Not mirrored while a primary replica reports saturation as last scraped (the "
         "admission filter's test: waiting > max(1, running/4), or KV-cache usage > admission.kv_high).")
@@ -202,5 +203,6 @@ class MirrorFilter:
 
     def stats(self) -> dict[str, Any]:
         return {**self.counts, "inflight": len(self.tasks), "loop_lag_ms": round(self.lag.lag_ms, 3),
+                "loop_lag_max_ms": round(self.lag.max_lag_ms, 3),
                 "pool": self.cfg.pool, "sample": self.cfg.sample,
                 "written": self.log.written, "dropped_write": self.log.dropped_write + self.log.dropped_queue}
