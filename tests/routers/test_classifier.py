@@ -84,7 +84,7 @@ def test_train_calibrates_to_the_target_share_and_eval_reports(tmp_path):
     assert report["n_train"] + report["n_calibration"] + report["n_test"] == 240
     assert report["calibration_large_share"] == pytest.approx(0.3, abs=0.02)
     head = Head.load(out)
-    assert head.meta["target_large_share"] == 0.3
+    assert head.meta["target_large_share"] == 0.3 and (head.meta["max_tokens"], head.meta["head_tokens"]) == (64, 16)
     r = run_cli("eval", str(data), "--head", str(out), "--json", "--small-usd-per-1m", "1", "--large-usd-per-1m", "10")
     assert r.returncode == 0, r.stderr
     ev = json.loads(r.stdout)
@@ -120,4 +120,4 @@ async def test_heuristic_answers_until_the_embedder_has_loaded():
     await slow.wait_loaded(120)
     d = await router.decide(hard)
     assert d.tier == "large" and d.reason.startswith("classifier P(large) ") and router.fallbacks == 1
-    assert router.max_tokens == 128  # the packaged head's: it was trained on the first 128 tokens
+    assert (router.max_tokens, router.head_tokens) == (64, 16)  # the packaged head's: trained on the first 16 + last 48
