@@ -60,12 +60,12 @@ def prompt_200_tokens(rng: random.Random) -> str:
     return " ".join(rng.choice(words) for _ in range(185)) + " Explain why and propose a fix?"
 
 
-CLASSIFIER_VARIANTS = ("onnx-int8:64:16", "onnx-int8:128", "onnx-int8:256", "torch:256")
+CLASSIFIER_VARIANTS = ("onnx-int8:48:12", "onnx-int8:128", "onnx-int8:256", "torch:256")
 
 
 def bench_classifier(n: int = 300, variants: tuple[str, ...] = CLASSIFIER_VARIANTS) -> dict:
-    """Each variant (backend:max_tokens[:head_tokens]; the shipped one is onnx-int8:64:16, the first
-    16 and last 48 tokens; before it onnx-int8:128, the first 128; the original torch:256) decides
+    """Each variant (backend:max_tokens[:head_tokens]; the shipped one is onnx-int8:48:12, the first
+    12 and last 36 tokens; before it onnx-int8:128, the first 128; the original torch:256) decides
     the same prompts, interleaved, so machine noise falls on all alike."""
     from usefulwork.embedding import Embedder
     from usefulwork.routers.classifier import ClassifierRouter, Head

@@ -24,7 +24,7 @@ Filters call ``embed_call(call)``: the first caller computes the vector and stor
 ``call.memo["embedding"]``; later filters (the semantic cache after the classifier router, or the
 other way round) reuse it. A caller may cap the tokens embedded (``max_tokens``) and say how many of
 them come from the text's start (``head_tokens``; the rest are its last tokens: the router reads the
-first 16 and the last 48, where a request's task usually is); a capped vector of a text that was not
+first 12 and the last 36, where a request's task usually is); a capped vector of a text that was not
 cut is the full vector, and is shared as such.
 """
 

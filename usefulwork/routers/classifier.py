@@ -1,8 +1,8 @@
 """The classifier router: the request's all-MiniLM-L6-v2 vector through a trained logistic head.
 
 The vector comes from ``shared_embedder().embed_call(call, max_tokens, head_tokens)``: computed once
-per request. The router reads a window of the conversation (the packaged head: its first 16 and last
-48 tokens, 64 in all); the vector is shared with the semantic cache when the conversation fits in that
+per request. The router reads a window of the conversation (the packaged head: its first 12 and last
+36 tokens, 48 in all); the vector is shared with the semantic cache when the conversation fits in that
 window (then it is the whole conversation's vector); a longer one is embedded again, whole, by the cache. The head is ``P(large) = sigmoid(w . x + b)`` (384 weights, one bias),
 stored as JSON; the large tier is chosen when ``P(large) >= threshold``.
 

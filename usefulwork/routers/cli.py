@@ -20,9 +20,9 @@ import numpy as np
 
 from usefulwork.routers.labeled import Example, LabeledError, read_labeled
 
-# the router reads 64 tokens of a conversation, its first 16 and its last 48 (docs/benchmarks.md section 6)
-DEFAULT_MAX_TOKENS = 64
-DEFAULT_HEAD_TOKENS = 16
+# the router reads 48 tokens of a conversation, its first 12 and its last 36 (docs/benchmarks.md section 6)
+DEFAULT_MAX_TOKENS = 48
+DEFAULT_HEAD_TOKENS = 12
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
