@@ -8,7 +8,9 @@ Keys (``ns`` = ``cache.namespace``)::
     {ns}:parts           partition -> tenant and model                               purge, rebuild
     {ns}:log             stream of add / del / purge events (with vectors)           replicas follow it
 
-A lookup is one round trip (GET the entry + ZADD XX its use time), by key: nothing scans keys.
+A lookup is one round trip (GET the entry + ZADD XX its use time, one script), by key: nothing
+scans keys. It goes over a connection of its own when that is free (the pool's otherwise): see
+``RedisStore.get``.
 A write is one Lua script: store the entry, its vector and its use time, then pop the partition's
 least recently used beyond ``max_entries_per_partition`` and log every change. Each replica keeps
 its vector index in memory (``usefulwork.caches.index``): rebuilt from ``{ns}:v:*`` of the
@@ -26,6 +28,7 @@ import time
 
 import numpy as np
 import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError
 
 from usefulwork.caches.config import CacheCfg
 from usefulwork.caches.store import Entry, StoreListener
@@ -96,6 +99,10 @@ class RedisStore:
                                          socket_connect_timeout=cfg.redis_timeout_s)
         self._put = self.r.register_script(_PUT)
         self._get = self.r.register_script(_GET)
+        pool = self.r.connection_pool  # the lookup's own connection: no timeout of redis-py's (see get)
+        self._conn = pool.connection_class(**{**pool.connection_kwargs, "socket_timeout": None})
+        self._conn_busy = False
+        self._get_head = b"*7\r\n$7\r\nEVALSHA\r\n$40\r\n" + self._get.sha.encode() + b"\r\n$1\r\n2\r\n"
         self._tail: asyncio.Task | None = None
         self._stopping = False
         self._last_id = "0-0"
@@ -106,8 +113,40 @@ class RedisStore:
         return f"{self.ns}:{kind}:{name}" if name else f"{self.ns}:{kind}"
 
     async def get(self, partition: str, key: str) -> Entry | None:
-        raw = await self._get(keys=[self._k("e", key), self._k("lru", partition)], args=[int(time.time() * 1000), key])
+        """The entry under ``key`` (touching its LRU use time), or None.
+
+        The request path's hot call (issue 12: p99 <= 0.2 ms). redis-py's client costs more CPU than
+        Redis itself here: a pool checkout, a generic command packer, and a timeout that starts a
+        task per send. So a lookup goes over a connection of the store's own: the command is packed
+        here (EVALSHA with two keys, two arguments), sent and its reply read by redis-py's
+        ``Connection`` (its parser: hiredis when installed), under one ``asyncio.timeout`` (a slow
+        Redis fails the lookup, and the request bypasses the cache). A lookup that finds that
+        connection busy (concurrent requests) takes the pool's path. docs/benchmarks.md section 9.
+        """
+        ek, lk = self._k("e", key), self._k("lru", partition)
+        now = int(time.time() * 1000)
+        if self._conn_busy:
+            raw = await self._get(keys=[ek, lk], args=[now, key])
+        else:
+            raw = await self._lookup(ek, lk, now, key)
         return None if raw is None else Entry.from_bytes(raw)
+
+    async def _lookup(self, ek: str, lk: str, now: int, key: str) -> bytes | None:
+        args = [ek.encode(), lk.encode(), str(now).encode(), key.encode()]
+        cmd = self._get_head + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
+        conn = self._conn
+        self._conn_busy = True
+        try:
+            async with asyncio.timeout(self.cfg.redis_timeout_s):
+                await conn.send_packed_command(cmd, check_health=False)
+                return await conn.read_response()
+        except NoScriptError:  # Redis restarted (its script cache is empty): the Script loads it again
+            return await self._get(keys=[ek, lk], args=[now, key])
+        except BaseException:  # timed out, cancelled or failed: the connection's state is unknown
+            await conn.disconnect(nowait=True)
+            raise
+        finally:
+            self._conn_busy = False
 
     async def put(self, entry: Entry) -> None:
         vec = b"" if entry.vector is None else np.asarray(entry.vector, dtype=np.float32).tobytes()
@@ -213,4 +252,5 @@ class RedisStore:
     async def stop(self) -> None:
         self._stopping = True
         await cancel_and_wait(self._tail)
+        await self._conn.disconnect(nowait=True)
         await self.r.aclose()
