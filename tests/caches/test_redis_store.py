@@ -169,3 +169,37 @@ async def test_a_hung_redis_times_out_and_the_request_bypasses():
     finally:
         await f.stop()
         server.close()
+
+
+async def test_a_lookup_that_times_out_starts_a_fresh_channel(redis_url, ns):
+    from usefulwork.caches.store import Entry
+    s = RedisStore(cfg(redis_url, ns, redis_timeout_s=0.1))
+    try:
+        await s.put(Entry("k", "p", "t", "m", "chat", "q", {"message": {"content": "a"}}, {}))
+        assert (await s.get("p", "k")).text == "q"
+        first = s._chan
+        redis.Redis.from_url(redis_url).client_pause(400)  # the real Redis stops answering for 400 ms
+        with pytest.raises(TimeoutError):
+            await s.get("p", "k")
+        await asyncio.sleep(0.5)
+        assert (await s.get("p", "k")).text == "q" and s._chan is not first and first.closed
+    finally:
+        await s.stop()
+
+
+def test_the_lookup_channel_reads_replies_split_anywhere():
+    from redis.exceptions import NoScriptError, ResponseError
+
+    from usefulwork.caches.redis_lookup import LookupChannel
+
+    async def run():
+        ch = LookupChannel()
+        ch.connection_made(type("Sink", (), {"write": lambda self, b: None})())  # the replies are fed below
+        futs = [ch.send(b"") for _ in range(6)]
+        stream = b"$5\r\nhello\r\n$-1\r\n+OK\r\n:42\r\n-NOSCRIPT No matching script\r\n-ERR bad\r\n"
+        for i in range(len(stream)):  # one byte at a time
+            ch.data_received(stream[i:i + 1])
+        assert [f.result() for f in futs[:4]] == [b"hello", None, b"OK", 42]
+        assert isinstance(futs[4].exception(), NoScriptError) and type(futs[5].exception()) is ResponseError
+        assert not ch.waiting and ch.buf == b""
+    asyncio.run(run())
