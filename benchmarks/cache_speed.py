@@ -221,6 +221,7 @@ def bench_redis_exact(args, entry) -> dict:
 
     from usefulwork.caches.config import CacheCfg
     from usefulwork.caches.redis_store import RedisStore
+    from usefulwork.caches.store import Entry
     ns = f"uwbench:{os.urandom(3).hex()}"
     cfg = CacheCfg(redis_url=args.redis, namespace=ns, redis_timeout_s=1.0)
     out: dict = {"loop": args.loop, "hiredis_installed": bool(HIREDIS_AVAILABLE)}
