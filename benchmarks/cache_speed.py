@@ -180,11 +180,6 @@ def bench_redis_search(xb, xq, truth) -> dict:
         proc.wait(10)
 
 
-def _hiredis() -> bool:
-    from redis.utils import HIREDIS_AVAILABLE
-    return bool(HIREDIS_AVAILABLE)
-
-
 def bench_exact(args) -> dict:
     from usefulwork.caches.config import CacheCfg
     from usefulwork.caches.store import Entry, MemoryStore

@@ -2,10 +2,12 @@
 
 Why by hand, next to redis-py (which the store uses for everything else): an exact lookup is on
 every cacheable request's path, with a target of 0.2 ms p99 (issue 12), and redis-py's per-call
-client CPU was most of it. Measured in one interleaved run (docs/benchmarks.md section 9): redis-py
-``Script`` through its pool 0.29 ms p50; redis-py's ``Connection`` held by the store, the command
-packed by the store, 0.17 ms (hiredis: 0.16); this channel 0.10 ms, and with 8 concurrent lookups
-0.14 ms p50 against 0.85 ms, because concurrent lookups share one connection and one write.
+client CPU was most of it. Measured interleaved (docs/benchmarks.md section 9), p50 of a whole
+lookup: redis-py ``Script`` through its pool ~0.25 ms; a redis-py ``Connection`` held by the caller,
+the command packed by the caller, ~0.13 ms (hiredis ~0.12), but usable by one caller at a time;
+this channel ~0.12 ms, and with 8 concurrent lookups ~0.3 ms against ~1.0 ms through the pool,
+because concurrent lookups share one connection and one write (redis-py cannot pipeline
+independent concurrent commands).
 
 What it speaks is small: commands go out as packed RESP bytes (the caller packs them); replies are
 simple strings, errors, integers, and bulk strings or nil: all a GET script, AUTH and SELECT answer.
