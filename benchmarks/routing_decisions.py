@@ -60,20 +60,21 @@ def prompt_200_tokens(rng: random.Random) -> str:
     return " ".join(rng.choice(words) for _ in range(185)) + " Explain why and propose a fix?"
 
 
-CLASSIFIER_VARIANTS = ("onnx-int8:128", "onnx-int8:256", "onnx:128", "torch:256")
+CLASSIFIER_VARIANTS = ("onnx-int8:48:12", "onnx-int8:128", "onnx-int8:256", "torch:256")
 
 
 def bench_classifier(n: int = 300, variants: tuple[str, ...] = CLASSIFIER_VARIANTS) -> dict:
-    """Each variant (backend:max_tokens; the shipped one is onnx-int8:128, the old one torch:256)
-    decides the same prompts, interleaved, so machine noise falls on all alike."""
+    """Each variant (backend:max_tokens[:head_tokens]; the shipped one is onnx-int8:48:12, the first
+    12 and last 36 tokens; before it onnx-int8:128, the first 128; the original torch:256) decides
+    the same prompts, interleaved, so machine noise falls on all alike."""
     from usefulwork.embedding import Embedder
     from usefulwork.routers.classifier import ClassifierRouter, Head
 
     routers = {}
     for v in variants:
-        backend, max_tokens = v.split(":")
+        backend, max_tokens, *head = v.split(":")
         routers[v] = ClassifierRouter(Head.load(), embedder=Embedder(backend=backend, threads=1).load(),
-                                      max_tokens=int(max_tokens))
+                                      max_tokens=int(max_tokens), head_tokens=int(head[0]) if head else None)
     rng = random.Random(0)
     n_tokens = next(iter(routers.values())).embedder.tokenize([prompt_200_tokens(rng)])[2][0]
     wall: dict[str, list[int]] = {v: [] for v in variants}

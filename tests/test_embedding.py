@@ -60,6 +60,21 @@ async def test_a_capped_vector_is_shared_as_the_full_one_only_when_nothing_was_c
     assert (await e.embed_call(long, max_tokens=32)) is v_cut and (await e.embed_call(long)) is v_full
 
 
+async def test_a_head_and_tail_window_keeps_the_start_and_the_end():
+    e = shared_embedder()
+    text = "summarize this: " + "filler words about nothing " * 40 + "and then explain why the cache is cold"
+    ids = e._tokenizer.encode(text).ids
+    got, _, n = e.tokenize([text], [(32, 8)])
+    assert n == [len(ids)] and got[0].tolist() == ids[:8] + ids[-24:]  # [CLS] + 7 first, 23 last + [SEP]
+    assert e.tokenize([text], [32])[0][0].tolist() == ids[:31] + ids[-1:]  # a plain cap: the first 31 + [SEP]
+    c = call_for(text)
+    v = await e.embed_call(c, max_tokens=32, head_tokens=8)
+    assert "embedding" not in c.memo and np.allclose(v, e.encode([conversation_text(c.body)], 32, 8)[0], atol=1e-6)
+    assert (await e.embed_call(c, max_tokens=32, head_tokens=8)) is v
+    short = call_for("What is the capital of France?")  # fits the window: its vector is the full one, shared
+    assert (await e.embed_call(short, max_tokens=32, head_tokens=8)) is (await e.embed_call(short))
+
+
 async def test_loading_in_the_background_never_blocks_the_event_loop():
     e = SlowLoadingEmbedder()
     t = time.perf_counter()

@@ -22,8 +22,10 @@ needs a vector (the cache's semantic lookups; the classifier router falls back t
 
 Filters call ``embed_call(call)``: the first caller computes the vector and stores it in
 ``call.memo["embedding"]``; later filters (the semantic cache after the classifier router, or the
-other way round) reuse it. A caller may cap the tokens embedded (``max_tokens``: the router reads
-the first 128); a capped vector of a text that was not cut is the full vector, and is shared as such.
+other way round) reuse it. A caller may cap the tokens embedded (``max_tokens``) and say how many of
+them come from the text's start (``head_tokens``; the rest are its last tokens: the router reads the
+first 12 and the last 36, where a request's task usually is); a capped vector of a text that was not
+cut is the full vector, and is shared as such.
 """
 
 from __future__ import annotations
@@ -51,6 +53,24 @@ MEMO_KEY = "embedding"
 TOKENS_KEY = "embedding_tokens"  # the request's token count (before any cut), next to its vector
 EXPORT_VERSION = 1  # bump when the exported graph changes: cached files are named after it
 Backend = Literal["onnx-int8", "onnx", "torch"]
+Limit = int | tuple[int, int]  # max_tokens, or (max_tokens, head_tokens): see Embedder.tokenize
+
+
+def _limit(max_tokens: int | None, head_tokens: int | None) -> Limit | None:
+    if max_tokens is None:
+        return None
+    return (max_tokens, head_tokens) if head_tokens is not None else max_tokens
+
+
+def _cut(ids: list[int], limit: Limit, model_max: int) -> list[int]:
+    """A text's token ids within ``limit`` (and the model's own limit): its first ``head`` ids, then
+    its last ones; the last id of an encoding is ``[SEP]``, so a cut text still ends with it."""
+    n, head = limit if isinstance(limit, tuple) else (limit, limit)
+    n = min(n, model_max)
+    if len(ids) <= n:
+        return ids
+    head = max(1, min(head, n - 1))
+    return ids[:head] + ids[len(ids) - (n - head):]
 
 
 class EmbeddingCfg(BaseModel):
@@ -181,7 +201,7 @@ class Embedder:
         self._loader: threading.Thread | None = None
         self.load_error: BaseException | None = None
         self.load_s: float | None = None
-        self._pending: list[tuple[str, int, asyncio.Future]] = []
+        self._pending: list[tuple[str, Limit, asyncio.Future]] = []
         self._worker: asyncio.Task | None = None
         self.batches = 0
         self.embedded = 0
@@ -244,7 +264,6 @@ class Embedder:
             self.max_tokens = int(json.loads((Path(path) / "sentence_bert_config.json").read_text())["max_seq_length"])
         except (OSError, KeyError, ValueError):
             pass
-        self._sep = tok.token_to_id("[SEP]")
 
     def _load_torch(self, path: str) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
         import torch  # noqa: PLC0415
@@ -278,14 +297,17 @@ class Embedder:
         return forward
 
     # -- sync API (worker threads, offline tools) --
-    def tokenize(self, texts: list[str], limits: list[int] | None = None) -> tuple[np.ndarray, np.ndarray, list[int]]:
-        """Token ids and attention mask (padded to the longest), each text cut at its limit (the
-        model's own at most), and each text's token count before the cut."""
+    def tokenize(self, texts: list[str], limits: list[Limit] | None = None) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """Token ids and attention mask (padded to the longest), each text cut to its limit (the
+        model's own at most), and each text's token count before the cut.
+
+        A limit is ``max_tokens`` or ``(max_tokens, head_tokens)``: a text longer than ``max_tokens``
+        keeps its first ``head_tokens`` (``[CLS]`` included; all but one by default) and then its last
+        ones (``[SEP]`` included)."""
         self.load()
         encs = self._tokenizer.encode_batch(texts)
         counts = [len(e.ids) for e in encs]
-        cut = [min(self.max_tokens, lim) for lim in (limits or [self.max_tokens] * len(texts))]
-        rows = [e.ids if len(e.ids) <= c else e.ids[:c - 1] + [self._sep] for e, c in zip(encs, cut)]
+        rows = [_cut(e.ids, lim, self.max_tokens) for e, lim in zip(encs, limits or [self.max_tokens] * len(texts))]
         width = max((len(r) for r in rows), default=0)
         ids = np.zeros((len(rows), width), np.int64)
         mask = np.zeros((len(rows), width), np.int64)
@@ -294,7 +316,7 @@ class Embedder:
             mask[i, :len(r)] = 1
         return ids, mask, counts
 
-    def encode_counted(self, texts: list[str], limits: list[int] | None = None) -> tuple[np.ndarray, list[int]]:
+    def encode_counted(self, texts: list[str], limits: list[Limit] | None = None) -> tuple[np.ndarray, list[int]]:
         """Embed texts now, in the calling thread: (n, 384) float32 unit vectors, and token counts."""
         self.load()
         # int8 activations are quantized per tensor: in a padded batch a vector would depend on its
@@ -309,9 +331,10 @@ class Embedder:
         vecs = np.concatenate(out).astype(np.float32, copy=False) if out else np.empty((0, DIM), np.float32)
         return vecs, counts
 
-    def encode(self, texts: list[str], max_tokens: int | None = None) -> np.ndarray:
+    def encode(self, texts: list[str], max_tokens: int | None = None, head_tokens: int | None = None) -> np.ndarray:
         """Embed texts now, in the calling thread: (n, 384) float32, unit length."""
-        return self.encode_counted(texts, [max_tokens] * len(texts) if max_tokens else None)[0]
+        lim = _limit(max_tokens, head_tokens)
+        return self.encode_counted(texts, [lim] * len(texts) if lim is not None else None)[0]
 
     @property
     def backlog(self) -> int:
@@ -319,13 +342,13 @@ class Embedder:
         return len(self._pending)
 
     # -- async API (the request path) --
-    async def embed(self, text: str, max_tokens: int | None = None) -> np.ndarray:
-        return (await self._submit(text, max_tokens))[0]
+    async def embed(self, text: str, max_tokens: int | None = None, head_tokens: int | None = None) -> np.ndarray:
+        return (await self._submit(text, _limit(max_tokens, head_tokens)))[0]
 
-    def _submit(self, text: str, max_tokens: int | None) -> asyncio.Future:
+    def _submit(self, text: str, limit: Limit | None) -> asyncio.Future:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
-        self._pending.append((text, max_tokens or self.max_tokens, fut))
+        self._pending.append((text, limit or self.max_tokens, fut))
         if self._worker is None or self._worker.done():
             self._worker = loop.create_task(self._drain(), name="usefulwork-embedder")
         return fut
@@ -350,20 +373,21 @@ class Embedder:
                 if not f.done():
                     f.set_result((v, n))
 
-    async def embed_call(self, call: Call, max_tokens: int | None = None) -> np.ndarray:
+    async def embed_call(self, call: Call, max_tokens: int | None = None, head_tokens: int | None = None) -> np.ndarray:
         """The request's embedding, computed at most once per request (``call.memo``).
 
-        With ``max_tokens`` below the model's limit, the vector of the text's first ``max_tokens``
-        tokens; when the text is no longer than that, it is the full vector and is stored as such.
+        With ``max_tokens`` below the model's limit, the vector of ``max_tokens`` of the text's tokens
+        (its first ``head_tokens`` and its last ones; see ``tokenize``); when the text is no longer
+        than that, it is the full vector and is stored as such, for the semantic cache to reuse.
         """
         memo = call.memo
         capped = max_tokens is not None and max_tokens < self.max_tokens
-        key = f"{MEMO_KEY}@{max_tokens}" if capped else MEMO_KEY
+        key = (f"{MEMO_KEY}@{max_tokens}" + (f"h{head_tokens}" if head_tokens else "")) if capped else MEMO_KEY
         vec = memo.get(key)
         if vec is None and capped and MEMO_KEY in memo and memo.get(TOKENS_KEY, self.max_tokens + 1) <= max_tokens:
             vec = memo[MEMO_KEY]
         if vec is None:
-            vec, n = await self._submit(conversation_text(call.body), max_tokens if capped else None)
+            vec, n = await self._submit(conversation_text(call.body), _limit(max_tokens, head_tokens) if capped else None)
             memo[key] = vec
             memo[TOKENS_KEY] = n
             if capped and n <= max_tokens:

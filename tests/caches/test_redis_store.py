@@ -132,3 +132,74 @@ async def test_store_round_trip_keeps_the_vector_for_other_replicas(redis_url, n
         assert await s.purge(tenant="nobody") == 0
     finally:
         await s.stop()
+
+
+async def test_lookups_survive_a_script_flush_and_concurrency(redis_url, ns):
+    from usefulwork.caches.store import Entry
+    s = RedisStore(cfg(redis_url, ns))
+    try:
+        entries = [Entry(f"k{i}", "p", "t", "m", "chat", f"q{i}", {"message": {"content": f"a{i}"}}, {}) for i in range(8)]
+        for e in entries:
+            await s.put(e)
+        redis.Redis.from_url(redis_url).script_flush()  # as after a Redis restart: EVALSHA answers NOSCRIPT
+        assert (await s.get("p", "k0")).text == "q0"
+        got = await asyncio.gather(*(s.get("p", e.key) for e in entries))  # one on the store's connection, the rest pooled
+        assert [g.text for g in got] == [e.text for e in entries]
+        assert await s.get("p", "missing") is None
+    finally:
+        await s.stop()
+
+
+async def test_a_hung_redis_times_out_and_the_request_bypasses():
+    async def silent(reader, writer):  # accepts, reads, never answers
+        await reader.read(1 << 20)
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    f = CacheFilter(cfg=CacheCfg(redis_url=f"redis://127.0.0.1:{port}/0", redis_timeout_s=0.2,
+                                 semantic=SemanticCfg(enabled=False)))
+    await f.start()
+    try:
+        up = FakeUpstream("still answered")
+        for _ in range(2):
+            t = asyncio.get_running_loop().time()
+            r, body = await ask(f, up, make_call("q"))
+            assert r.status == 200 and r.header(b"x-usefulwork-cache") == b"bypass" and b"still answered" in body
+            assert asyncio.get_running_loop().time() - t < 2.0
+        assert f.stats()["bypass_reasons"] == {"store_error": 2}
+    finally:
+        await f.stop()
+        server.close()
+
+
+async def test_a_lookup_that_times_out_starts_a_fresh_channel(redis_url, ns):
+    from usefulwork.caches.store import Entry
+    s = RedisStore(cfg(redis_url, ns, redis_timeout_s=0.1))
+    try:
+        await s.put(Entry("k", "p", "t", "m", "chat", "q", {"message": {"content": "a"}}, {}))
+        assert (await s.get("p", "k")).text == "q"
+        first = s._chan
+        redis.Redis.from_url(redis_url).client_pause(400)  # the real Redis stops answering for 400 ms
+        with pytest.raises(TimeoutError):
+            await s.get("p", "k")
+        await asyncio.sleep(0.5)
+        assert (await s.get("p", "k")).text == "q" and s._chan is not first and first.closed
+    finally:
+        await s.stop()
+
+
+def test_the_lookup_channel_reads_replies_split_anywhere():
+    from redis.exceptions import NoScriptError, ResponseError
+
+    from usefulwork.caches.redis_lookup import LookupChannel
+
+    async def run():
+        ch = LookupChannel()
+        ch.connection_made(type("Sink", (), {"write": lambda self, b: None})())  # the replies are fed below
+        futs = [ch.send(b"") for _ in range(6)]
+        stream = b"$5\r\nhello\r\n$-1\r\n+OK\r\n:42\r\n-NOSCRIPT No matching script\r\n-ERR bad\r\n"
+        for i in range(len(stream)):  # one byte at a time
+            ch.data_received(stream[i:i + 1])
+        assert [f.result() for f in futs[:4]] == [b"hello", None, b"OK", 42]
+        assert isinstance(futs[4].exception(), NoScriptError) and type(futs[5].exception()) is ResponseError
+        assert not ch.waiting and ch.buf == b""
+    asyncio.run(run())

@@ -84,13 +84,15 @@ def test_train_calibrates_to_the_target_share_and_eval_reports(tmp_path):
     assert report["n_train"] + report["n_calibration"] + report["n_test"] == 240
     assert report["calibration_large_share"] == pytest.approx(0.3, abs=0.02)
     head = Head.load(out)
-    assert head.meta["target_large_share"] == 0.3
+    assert head.meta["target_large_share"] == 0.3 and (head.meta["max_tokens"], head.meta["head_tokens"]) == (48, 12)
     r = run_cli("eval", str(data), "--head", str(out), "--json", "--small-usd-per-1m", "1", "--large-usd-per-1m", "10")
     assert r.returncode == 0, r.stderr
     ev = json.loads(r.stdout)
     n_large = sum(row["label"] == "large" for row in rows)
     # a 30% target on a set that is about half large: recall is bounded by the share
-    assert ev["share"]["large"] == pytest.approx(0.3, abs=0.06)
+    # the threshold was set on 48 calibration rows: one standard error of a share there is ~0.066
+    # (this subset gives 0.358 with 128-token vectors, 0.3625 with the shipped 48-token window)
+    assert ev["share"]["large"] == pytest.approx(0.3, abs=0.08)
     assert ev["large_recall"] <= ev["share"]["large"] * 240 / n_large + 0.01  # both rounded to 4 places
     assert 0.1 < ev["cost_vs_all_large"] < 0.6
 
@@ -120,4 +122,4 @@ async def test_heuristic_answers_until_the_embedder_has_loaded():
     await slow.wait_loaded(120)
     d = await router.decide(hard)
     assert d.tier == "large" and d.reason.startswith("classifier P(large) ") and router.fallbacks == 1
-    assert router.max_tokens == 128  # the packaged head's: it was trained on the first 128 tokens
+    assert (router.max_tokens, router.head_tokens) == (48, 12)  # the packaged head's: trained on the first 12 + last 36

@@ -1,7 +1,9 @@
 """The classifier router: the request's all-MiniLM-L6-v2 vector through a trained logistic head.
 
-The vector comes from ``shared_embedder().embed_call(call)``: computed once per request and shared
-with the semantic cache. The head is ``P(large) = sigmoid(w . x + b)`` (384 weights, one bias),
+The vector comes from ``shared_embedder().embed_call(call, max_tokens, head_tokens)``: computed once
+per request. The router reads a window of the conversation (the packaged head: its first 12 and last
+36 tokens, 48 in all); the vector is shared with the semantic cache when the conversation fits in that
+window (then it is the whole conversation's vector); a longer one is embedded again, whole, by the cache. The head is ``P(large) = sigmoid(w . x + b)`` (384 weights, one bias),
 stored as JSON; the large tier is chosen when ``P(large) >= threshold``.
 
 Training (``usefulwork router train``) fits the head with scikit-learn's logistic regression on one
@@ -135,17 +137,20 @@ class ClassifierRouter:
     name = "classifier"
 
     def __init__(self, head: Head, threshold: float | None = None, embedder: Any = None,
-                 max_tokens: int | None = None, fallback: Any = None):
+                 max_tokens: int | None = None, fallback: Any = None, head_tokens: int | None = None):
         self.head = head
         self.threshold = head.threshold if threshold is None else threshold
+        # the tokens embedded: as the head was trained (its meta), unless configured
         self.max_tokens = max_tokens if max_tokens is not None else head.meta.get("max_tokens")
+        self.head_tokens = head_tokens if head_tokens is not None else head.meta.get("head_tokens")
         self._embedder = embedder
         self.fallback = fallback  # a HeuristicRouter, used while the embedder loads
         self.fallbacks = 0
 
     @classmethod
     def from_cfg(cls, cfg: ClassifierCfg, fallback: Any = None) -> ClassifierRouter:
-        return cls(Head.load(cfg.head_path), cfg.threshold, max_tokens=cfg.max_tokens, fallback=fallback)
+        return cls(Head.load(cfg.head_path), cfg.threshold, max_tokens=cfg.max_tokens, fallback=fallback,
+                   head_tokens=cfg.head_tokens)
 
     @property
     def embedder(self) -> Any:
@@ -167,4 +172,4 @@ class ClassifierRouter:
             self.fallbacks += 1
             d = self.fallback.decide_body(call.body)
             return Decision(d.tier, f"classifier not loaded yet: {d.reason}", d.score)
-        return self.decide_vec(await emb.embed_call(call, self.max_tokens))
+        return self.decide_vec(await emb.embed_call(call, self.max_tokens, self.head_tokens))

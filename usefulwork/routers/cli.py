@@ -20,7 +20,9 @@ import numpy as np
 
 from usefulwork.routers.labeled import Example, LabeledError, read_labeled
 
-DEFAULT_MAX_TOKENS = 128  # the router reads a conversation's first 128 tokens (docs/benchmarks.md section 6)
+# the router reads 48 tokens of a conversation, its first 12 and its last 36 (docs/benchmarks.md section 6)
+DEFAULT_MAX_TOKENS = 48
+DEFAULT_HEAD_TOKENS = 12
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -33,8 +35,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--seed", type=int, default=0, help="seed of the train/calibration/test split")
     t.add_argument("--c", type=float, default=1.0, help="inverse regularisation strength of the logistic head")
     t.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
-                   help="tokens of each conversation embedded (the first ones); stored in the head, which the "
-                        "router then embeds the same way")
+                   help="tokens of each conversation embedded; stored in the head, which the router then "
+                        "embeds the same way")
+    t.add_argument("--head-tokens", type=int, default=DEFAULT_HEAD_TOKENS,
+                   help="of those, how many from the conversation's start (the rest are its last tokens)")
     e = sub.add_parser("eval", help="evaluate a router on a labeled JSONL file")
     e.add_argument("labeled", help="JSONL in the train format (rows without a label count for shares only)")
     e.add_argument("--router", choices=("classifier", "heuristic"), default="classifier")
@@ -50,9 +54,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                        help="the embedder's backend (config: embedding.backend)")
 
 
-def embed(examples: list[Example], max_tokens: int | None = None) -> np.ndarray:
+def embed(examples: list[Example], max_tokens: int | None = None, head_tokens: int | None = None) -> np.ndarray:
     from usefulwork.embedding import shared_embedder  # noqa: PLC0415
-    return shared_embedder().encode([e.text for e in examples], max_tokens=max_tokens)
+    return shared_embedder().encode([e.text for e in examples], max_tokens=max_tokens, head_tokens=head_tokens)
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -60,9 +64,13 @@ def run_train(args: argparse.Namespace) -> int:
     examples = read_labeled(args.labeled)
     if not 8 <= args.max_tokens <= 256:
         raise ValueError(f"--max-tokens: {args.max_tokens} out of range [8, 256]")
-    head = train(examples, embed(examples, args.max_tokens), args.target_large_share, seed=args.seed, c=args.c)
+    if not 1 <= args.head_tokens <= args.max_tokens:
+        raise ValueError(f"--head-tokens: {args.head_tokens} out of range [1, --max-tokens]")
+    vecs = embed(examples, args.max_tokens, args.head_tokens)
+    head = train(examples, vecs, args.target_large_share, seed=args.seed, c=args.c)
     head.meta["trained_on"] = str(args.labeled)
     head.meta["max_tokens"] = args.max_tokens
+    head.meta["head_tokens"] = args.head_tokens
     head.meta["embedding_backend"] = _backend()
     with open(args.out, "w") as fh:
         fh.write(head.to_json())
@@ -99,7 +107,7 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.router == "classifier":
         from usefulwork.routers.classifier import ClassifierRouter, Head  # noqa: PLC0415
         router = ClassifierRouter(Head.load(args.head), args.threshold)
-        vecs = embed(examples, router.max_tokens)
+        vecs = embed(examples, router.max_tokens, router.head_tokens)
         tiers = [router.decide_vec(v).tier for v in vecs]
         auroc = _auroc(examples, router.head.probs(vecs))
     else:

@@ -50,9 +50,12 @@ class ClassifierCfg(_Strict):
     threshold: float | None = Field(None, ge=0, le=1, description="P(large) at or above which the large tier "
                                     "is chosen; None: the head's calibrated threshold.")
     max_tokens: int | None = Field(None, ge=8, le=256, description="Tokens of the conversation embedded for "
-                                   "the decision (the first ones); None: what the head was trained with "
-                                   "(its `max_tokens`), else the model's limit (256). Fewer is faster; a "
-                                   "conversation no longer than this shares its vector with the semantic cache.")
+                                   "the decision; None: what the head was trained with (its `max_tokens`), "
+                                   "else the model's limit (256). Fewer is faster; a conversation no longer "
+                                   "than this shares its vector with the semantic cache.")
+    head_tokens: int | None = Field(None, ge=1, le=256, description="Of those, how many come from the "
+                                    "conversation's start (the rest are its last tokens); None: what the head "
+                                    "was trained with (its `head_tokens`), else all from the start.")
 
 
 class ConfidenceCfg(_Strict):
