@@ -130,3 +130,15 @@ def test_the_head_limit_applies_to_every_request_on_a_kept_alive_connection(gw):
     s.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 40000 + b"\r\n\r\n")
     status, headers, body = _answer(s)
     assert status == 431 and _is_openai_error(headers, body)["code"] == "request_header_fields_too_large"
+
+
+def test_a_refused_head_is_answered_even_when_the_client_is_still_sending(gw):
+    """The gateway refuses once the head passes the limit, while the rest of the client's bytes are still
+    arriving. Closing at once with unread bytes makes the kernel reset the connection, and a client that
+    reads a moment later got ConnectionResetError instead of the 431 (a CI flake of the test above). The
+    answer must survive: half-close, discard the rest, close at the client's EOF."""
+    s = _conn(gw)
+    s.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 200_000)
+    time.sleep(0.3)  # the refusal and any reset have arrived by now
+    status, headers, body = _answer(s)
+    assert status == 431 and _is_openai_error(headers, body)["code"] == "request_header_fields_too_large"

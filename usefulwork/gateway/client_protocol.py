@@ -13,7 +13,8 @@ connections stayed open for ever. This subclass, handed to uvicorn as its ``http
 - framing errors (bad Content-Length, Content-Length with Transfer-Encoding, control characters
   in a header, ...) answered as OpenAI-style JSON 400 instead of uvicorn's plain text.
 
-Every refusal closes the connection and is counted in ``usefulwork_http_rejected_total{reason}``
+Every refusal is answered, then the connection is half-closed and the client's remaining bytes are
+discarded until it closes (at most 2 s / 1 MB: no RST can discard the answer), and it is counted in ``usefulwork_http_rejected_total{reason}``
 (``/metrics``). Body size is the endpoints' job (``limits.max_body_bytes``, 413).
 """
 
@@ -46,6 +47,10 @@ class _Refuse(Exception):
         self.message = message
 
 
+LINGER_S = 2.0  # after a refusal, how long the client's remaining bytes are read and discarded
+LINGER_BYTES = 1 << 20  # ... and how many
+
+
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol plus the limits in the module doc (class attributes, set by
     ``protocol_class``)."""
@@ -60,6 +65,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._url_bytes = 0
         self._fields_bytes = 0
         self._head_timer = None  # armed while waiting for a request head
+        self._lingering: int | None = None  # refused: bytes still to discard before closing (see _linger)
+        self._linger_timer = None
 
     # -- waiting for a head --
     def _arm(self) -> None:
@@ -90,7 +97,19 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         body = error_body(status, message, code=code)
         self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
                              b"connection: close\r\n\r\n%s" % (status, text, len(body), body))
-        self.transport.close()
+        self._linger()
+
+    def _linger(self) -> None:
+        """Close after the answer without losing it: closing a socket that still has unread request bytes
+        (the rest of a 40 KB head) makes the kernel send RST, which can discard the answer before the
+        client reads it. So: half-close (FIN after the answer), discard what the client still sends, and
+        close at its EOF, after ``LINGER_S``, or past ``LINGER_BYTES`` (Apache's "lingering close")."""
+        if not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        self._lingering = LINGER_BYTES
+        self.transport.write_eof()
+        self._linger_timer = self.loop.call_later(LINGER_S, self.transport.close)
 
     # -- asyncio.Protocol --
     def connection_made(self, transport) -> None:  # type: ignore[override]
@@ -99,9 +118,16 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering is not None:  # refused and answered: the rest is discarded
+            self._lingering -= len(data)
+            if self._lingering < 0:
+                self.transport.close()
+            return
         self._unset_keepalive_if_required()
         if self._in_head:
             self._head_bytes += len(data)
