@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -106,6 +106,11 @@ class Pool(_Strict):
     gpu: GPU = GPU()
     prices: Prices = Prices()
     api_key: str | None = Field(None, description="Bearer key the replicas expect (vLLM --api-key).")
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs", description="The replicas' vLLM --scheduling-policy. 'priority': the admission filter sends each "
+        "request's class as vLLM's `priority` (interactive 0, batch 1, sheddable 2), so interactive prefills also go "
+        "first inside vLLM; the replicas must run with --scheduling-policy priority (vLLM rejects a non-zero "
+        "priority otherwise).")
 
     @field_validator("replicas")
     @classmethod
@@ -137,6 +142,8 @@ class LocalFleet(_Strict):
     kv_cache_gib: int = Field(2, ge=1, description="VLLM_CPU_KVCACHE_SPACE for the CPU build.")
     max_model_len: int = Field(2048, ge=64, description="vLLM --max-model-len.")
     extra_args: list[str] = Field(default_factory=list, description="Extra vLLM server flags.")
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs", description="vLLM --scheduling-policy of the local server (and its pool's scheduling_policy).")
     gpu: GPU = GPU(type="cpu-2core", count=1, usd_per_hour=0.10)
 
 
@@ -323,7 +330,8 @@ def load(path: str | os.PathLike[str] | None = None, environ: Mapping[str, str] 
 def with_local_pool(cfg: Config, base_url: str) -> Config:
     """Return cfg with a pool for the embedded local fleet (used by `usefulwork serve` without --config)."""
     lf = cfg.local_fleet or LocalFleet()
-    pool = Pool(name="local", models=[lf.model_name], replicas=[base_url], gpu=lf.gpu)
+    pool = Pool(name="local", models=[lf.model_name], replicas=[base_url], gpu=lf.gpu,
+                scheduling_policy=lf.scheduling_policy)
     return cfg.model_copy(update={"pools": [pool], "local_fleet": lf})
 
 

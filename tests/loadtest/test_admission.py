@@ -86,3 +86,7 @@ def test_admission_experiment_is_valid_and_plans_its_cells():
     from usefulwork.config import from_mapping
 
     assert from_mapping(cfg, environ={}).tenants["heavy"].key_hashes
+    # admission on: the simulated replica schedules by priority and the gateway's pool knows it; off: neither
+    assert on.sim_overrides["scheduling_policy"] == "priority" and cfg["pools"][0]["scheduling_policy"] == "priority"
+    off = next(p for p in exp.profiles if p.name.endswith("admission-off"))
+    assert "scheduling_policy" not in gateway_config(exp, off, "http://127.0.0.1:1", 1)["pools"][0]

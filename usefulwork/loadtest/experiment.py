@@ -251,6 +251,15 @@ def _backend_process(exp: Experiment, profile: Profile, port: int, log_path: Pat
                       log_path=log_path)
 
 
+def _scheduling_policy(profile: Profile) -> str | None:
+    """The profile's vLLM --scheduling-policy (sim_overrides, or vllm_args), None when not set."""
+    pol = profile.sim_overrides.get("scheduling_policy")
+    args = profile.vllm_args
+    if "--scheduling-policy" in args[:-1]:
+        pol = args[args.index("--scheduling-policy") + 1]
+    return pol
+
+
 def served_name(exp: Experiment) -> str:
     return exp.backend.get("served_name", "smollm2-135m-instruct" if exp.backend["kind"] == "local-vllm" else "llama-3.1-8b")
 
@@ -290,6 +299,8 @@ def gateway_config(exp: Experiment, profile: Profile, backend_urls: str | list[l
             "gpu": {"type": str(gpu.get("type", "gpu")), "count": int(gpu.get("count", 1)) * len(replicas),
                     "usd_per_hour": float(gpu.get("usd_per_hour", 0.0)) * s},
             **({"prices": spec["prices"]} if spec.get("prices") else {}),
+            # the gateway must know the replicas' vLLM --scheduling-policy (it then sends each request's priority)
+            **({"scheduling_policy": pol} if (pol := _scheduling_policy(profile)) else {}),
         })
     cfg = _deep_merge({
         "listen": {"host": "127.0.0.1", "port": port},

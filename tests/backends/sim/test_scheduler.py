@@ -133,6 +133,40 @@ def test_preemption_by_recompute_when_kv_cache_runs_out():
     assert reqs[0].num_preemptions == 0
 
 
+def test_priority_policy_schedules_waiting_requests_by_priority_then_arrival():
+    # One sequence at a time: the waiting queue's order is the order of service.
+    fcfs = engine_for("optimized-batched", max_num_seqs=1)
+    prio = engine_for("optimized-batched", max_num_seqs=1, scheduling_policy="priority")
+    order = {}
+    for name, eng in (("fcfs", fcfs), ("priority", prio)):
+        reqs = [eng.add_request(prompt(i * 1000, 100), 8, ignore_eos=True, arrival_time=0.001 * i,
+                                priority=p if name == "priority" else 0, request_id=f"r{i}")
+                for i, p in enumerate((1, 1, 0, 2, 0))]
+        eng.run_until_idle()
+        order[name] = [r.request_id for r in sorted(reqs, key=lambda r: r.first_token_time)]
+    assert order["fcfs"] == ["r0", "r1", "r2", "r3", "r4"]
+    # r0 starts alone; then priority 0 by arrival (r2, r4), then 1 (r1), then 2 (r3)
+    assert order["priority"] == ["r0", "r2", "r4", "r1", "r3"]
+
+
+def test_priority_policy_preempts_the_lowest_priority_request_not_the_newest():
+    eng = engine_for("optimized-batched", num_gpu_blocks_override=40, max_model_len=512, scheduling_policy="priority")
+    # The oldest request has the lowest priority (highest value): by priority it is the victim.
+    # (among equal priorities the newest goes first, as in FCFS)
+    reqs = [eng.add_request(prompt(i * 10_000, 100), 200, ignore_eos=True, arrival_time=0.001 * i, priority=p)
+            for i, p in enumerate((5, 0, 0, 0))]
+    eng.run_until_idle()
+    assert eng.scheduler.stats.num_preemptions > 0
+    assert reqs[0].num_preemptions > 0 and reqs[1].num_preemptions == 0
+    assert all(r.num_output_tokens == 200 for r in reqs)
+    assert eng.kv.num_free_blocks == 40
+
+
+def test_an_unknown_scheduling_policy_is_a_spec_error():
+    with pytest.raises(SpecError, match="scheduling_policy"):
+        build_spec("A100-80G", "Llama-3.1-8B", overrides={"scheduling_policy": "lottery"})
+
+
 def test_v0_prefill_first_stalls_decodes_during_prefill_steps():
     eng = SimEngine(build_spec("A10G", "Llama-3.1-8B", profile="vllm-0.4"))
     first = eng.add_request(prompt(0, 100), 50, ignore_eos=True, arrival_time=0.0)

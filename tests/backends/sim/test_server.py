@@ -200,3 +200,39 @@ def test_cli_config_file_with_command_line_precedence(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "usefulwork.cli", "sim", "--config", str(cfg), "--print-spec"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "unknown setting" in bad.stderr
+
+
+def test_a_priority_is_refused_unless_the_server_schedules_by_priority(a100):
+    client = openai.OpenAI(base_url=f"{a100.base_url}/v1", api_key="x")
+    with pytest.raises(openai.BadRequestError, match="Priority scheduling is not enabled"):
+        client.completions.create(model="llama", prompt="hi", max_tokens=2, extra_body={"priority": 3})
+    ok = client.completions.create(model="llama", prompt="hi", max_tokens=2, extra_body={"priority": 0})
+    assert ok.usage.completion_tokens >= 1
+
+
+def test_priority_scheduling_serves_the_lower_value_first(tmp_path):
+    # One sequence at a time: a long request holds the engine while two wait; the later one, with
+    # priority 0, starts before the earlier one with priority 1.
+    with SimProcess(gpu="A100-80G", model="Llama-3.1-8B", profile="naive-single", port=free_port(), time_scale=1.0,
+                    extra={"scheduling_policy": "priority"}, log_path=tmp_path / "prio.log") as sim:
+        async def go():
+            async with httpx.AsyncClient(base_url=sim.base_url, timeout=30) as c:
+                def send(priority: int, tokens: int):
+                    return c.post("/v1/completions", json={"model": "Llama-3.1-8B", "prompt": "a b c", "max_tokens": tokens,
+                                                           "ignore_eos": True, "priority": priority})
+                done = []
+
+                async def tracked(name, priority, tokens):
+                    await send(priority, tokens)
+                    done.append(name)
+
+                hold = asyncio.create_task(tracked("hold", 5, 200))
+                await asyncio.sleep(0.2)
+                low = asyncio.create_task(tracked("low", 1, 5))
+                await asyncio.sleep(0.05)
+                high = asyncio.create_task(tracked("high", 0, 5))
+                await asyncio.gather(hold, low, high)
+                return done
+
+        assert asyncio.run(go()) == ["hold", "high", "low"]
+        assert httpx.get(f"{sim.base_url}/sim/info", timeout=5).json()["flags"]["scheduling_policy"] == "priority"

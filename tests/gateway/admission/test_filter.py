@@ -330,3 +330,24 @@ def test_gateway_shows_admission_stats_to_the_admin_only():
         st = c.get("/usefulwork/admission/tenants/t", headers={"authorization": "Bearer ak"}).json()
         assert st["settings"]["priority"] == "interactive" and "key_hashes" not in st["settings"]
         assert st["fair_share_tokens"]["p"] > 0
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_the_class_goes_to_vllm_as_priority_only_where_the_replicas_schedule_by_it(policy):
+    pools = [{"name": "p", "models": [MODEL], "replicas": ["http://127.0.0.1:9"], "scheduling_policy": policy}]
+    f = make_filter(make_cfg(pools=pools))
+
+    async def go():
+        be = Backend()
+        calls = [make_call(f, priority=p) for p in ("interactive", "batch", "sheddable")]
+        calls[1].set_body({**calls[1].body, "priority": -5})  # a client's own value
+        for c in calls:
+            await (await f(c, be)).aclose()
+        return be.calls
+
+    sent = asyncio.run(go())
+    if policy == "priority":
+        assert [c.body["priority"] for c in sent] == [0, 1, 2]  # the gateway's class replaces the client's -5
+        assert all(c.raw is None for c in sent)  # re-encoded by the forwarder
+    else:
+        assert "priority" not in sent[0].body and sent[1].body["priority"] == -5 and sent[0].raw is not None

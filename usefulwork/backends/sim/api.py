@@ -85,6 +85,7 @@ class ParsedRequest:
     ignore_eos: bool
     logprobs: int | None  # number of top alternatives (0 = only the sampled token), None = off
     seed: int | None
+    priority: int = 0  # vLLM's request priority (lower first; only with --scheduling-policy priority)
 
 
 class SimServer:
@@ -98,6 +99,7 @@ class SimServer:
         self.created = int(time.time())
         self.max_model_len = engine.spec.max_model_len
         self.max_logprobs = engine.spec.flags.max_logprobs
+        self.by_priority = engine.spec.flags.scheduling_policy == "priority"
 
     # -- validation (vLLM's rules and messages) --
     def _check_model(self, body: dict[str, Any]) -> None:
@@ -148,6 +150,17 @@ class SimServer:
             raise APIError(400, "Stream options can only be defined when `stream=True`.", param="stream_options")
         return stream, bool(opts.get("include_usage", False)), bool(opts.get("continuous_usage_stats", False))
 
+    def priority(self, body: dict[str, Any]) -> int:
+        """vLLM's ``priority`` extra parameter: an integer; non-zero only under the priority policy."""
+        p = body.get("priority", 0)
+        if p is None:
+            return 0
+        if not isinstance(p, int) or isinstance(p, bool):
+            raise APIError(400, f"priority must be an integer. (parameter=priority, value={p!r})", param="priority")
+        if p != 0 and not self.by_priority:
+            raise APIError(400, f"Got priority {p} but Priority scheduling is not enabled.", param="priority")
+        return p
+
     def _common(self, body: dict[str, Any]) -> None:
         n = body.get("n", 1)
         if n not in (None, 1):
@@ -184,7 +197,7 @@ class SimServer:
         return ParsedRequest(
             kind="chat", prompt_ids=ids, max_tokens=self._max_tokens(body, len(ids), "chat"), stream=stream,
             include_usage=include_usage, continuous_usage=continuous, ignore_eos=bool(body.get("ignore_eos", False)),
-            logprobs=(top or 0) if want_lp else None, seed=_int_or_none(body.get("seed")),
+            logprobs=(top or 0) if want_lp else None, seed=_int_or_none(body.get("seed")), priority=self.priority(body),
         )
 
     def parse_completion(self, body: dict[str, Any]) -> ParsedRequest:
@@ -216,6 +229,7 @@ class SimServer:
             kind="completion", prompt_ids=ids, max_tokens=self._max_tokens(body, len(ids), "completion"),
             stream=stream, include_usage=include_usage, continuous_usage=continuous,
             ignore_eos=bool(body.get("ignore_eos", False)), logprobs=lp, seed=_int_or_none(body.get("seed")),
+            priority=self.priority(body),
         )
 
     def parse_responses(self, body: dict[str, Any]) -> ParsedRequest:
@@ -338,7 +352,7 @@ def build_app(server: SimServer) -> Starlette:
         rid = prefix + uuid.uuid4().hex
         req = server.runner.submit(
             parsed.prompt_ids, parsed.max_tokens, ignore_eos=parsed.ignore_eos, seed=parsed.seed, sink=sink,
-            request_id=rid,
+            request_id=rid, priority=parsed.priority,
         )
         created = int(time.time())
         if parsed.stream:

@@ -85,9 +85,11 @@ ENGINE_FLAGS: dict[str, type] = {
     "num_gpu_blocks_override": int,
     "long_prefill_token_threshold": int,
     "scheduler": str,
+    "scheduling_policy": str,
     "max_logprobs": int,
 }
 SCHEDULERS = ("v1", "v0-prefill-first")
+SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,7 @@ class EngineFlags:
     num_gpu_blocks_override: int | None = None
     long_prefill_token_threshold: int = 0  # 0: off (vLLM's default)
     scheduler: str = "v1"
+    scheduling_policy: str = "fcfs"  # "priority": waiting requests by (priority, arrival), as vLLM's --scheduling-policy
     max_logprobs: int = 20
 
 
@@ -248,6 +251,8 @@ def build_spec(
     flags = EngineFlags(**settings)
     if flags.scheduler not in SCHEDULERS:
         raise SpecError(f"scheduler must be one of {SCHEDULERS}, got {flags.scheduler!r}")
+    if flags.scheduling_policy not in SCHEDULING_POLICIES:
+        raise SpecError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {flags.scheduling_policy!r}")
     if tp < 1:
         raise SpecError("tp must be >= 1")
     if flags.max_num_seqs < 1:

@@ -120,6 +120,7 @@ class SimEngine:
             enable_chunked_prefill=spec.flags.enable_chunked_prefill,
             long_prefill_token_threshold=spec.flags.long_prefill_token_threshold,
             policy=spec.flags.scheduler,
+            scheduling_policy=spec.flags.scheduling_policy,
         )
         self.timer = StepTimer(spec)
         self.stats = EngineStats()
@@ -142,6 +143,7 @@ class SimEngine:
         request_id: str | None = None,
         seed: int | None = None,
         sink: OutputSink | None = None,
+        priority: int = 0,
     ) -> SimRequest:
         """Accept a request (already validated: prompt + max_tokens <= max_model_len)."""
         arrival = self.now if arrival_time is None else arrival_time
@@ -155,6 +157,7 @@ class SimEngine:
             arrival_time=arrival,
             ready_time=arrival + self._request_overhead,
             rng_seed=rng_seed,
+            priority=priority,
             sink=sink,
         )
         # Arrivals come in time order almost always; keep the list sorted anyway.
@@ -210,6 +213,10 @@ class SimEngine:
         if not self.scheduler.has_work():
             return None
         plan = self.scheduler.schedule()
+        while not plan.items and plan.preempted and self.scheduler.running:
+            # (by priority, the first running request can be the victim: vLLM schedules nothing in that
+            # step and goes on with the rest; here the rest is scheduled at once)
+            plan = self.scheduler.schedule()
         if not plan.items:
             return None
         return plan, self.timer.seconds(plan)

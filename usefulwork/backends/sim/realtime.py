@@ -47,10 +47,11 @@ class RealtimeRunner:
         seed: int | None = None,
         sink: OutputSink | None = None,
         request_id: str | None = None,
+        priority: int = 0,
     ) -> SimRequest:
         req = self.engine.add_request(
             prompt_token_ids, max_tokens, ignore_eos=ignore_eos, arrival_time=self.sim_now(),
-            seed=seed, sink=sink, request_id=request_id,
+            seed=seed, sink=sink, request_id=request_id, priority=priority,
         )
         self._wake.set()
         return req

@@ -14,10 +14,16 @@ V0 prefill-first (``scheduler: v0-prefill-first``, vLLM <= 0.5 default without c
 if any waiting request can be admitted (whole prompt within the token budget, blocks free),
 the step runs ONLY prefills; otherwise it runs one decode token for every running request.
 Decodes stall while prompts are prefilled, which is what the published vLLM 0.4.3 numbers show.
+
+Scheduling policy (vLLM's ``--scheduling-policy``): ``fcfs`` keeps the waiting queue in arrival order
+(a preempted request goes back to its front); ``priority`` keeps it ordered by (``priority``, arrival
+time), lower values first, and preempts the running request with the highest (priority, arrival)
+instead of the last one, as vLLM V1's scheduler does (``max(self.running, key=(priority, arrival))``).
 """
 
 from __future__ import annotations
 
+import bisect
 import enum
 from collections import deque
 from dataclasses import dataclass, field
@@ -41,6 +47,7 @@ class SimRequest:
     arrival_time: float = 0.0  # when the client sent it (simulated seconds)
     ready_time: float = 0.0  # when it reaches the scheduler (after the API front-end)
     rng_seed: int = 0
+    priority: int = 0  # vLLM's request priority (lower first); used by the "priority" scheduling policy
     token_ids: list[int] = field(default_factory=list)  # prompt + generated
     num_computed_tokens: int = 0
     blocks: list[int] = field(default_factory=list)
@@ -115,6 +122,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         long_prefill_token_threshold: int = 0,
         policy: str = "v1",
+        scheduling_policy: str = "fcfs",
     ):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
@@ -122,6 +130,7 @@ class Scheduler:
         self.chunked = enable_chunked_prefill
         self.long_prefill_threshold = long_prefill_token_threshold
         self.policy = policy
+        self.by_priority = scheduling_policy == "priority"
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.stats = SchedulerStats()
@@ -130,7 +139,19 @@ class Scheduler:
     def add(self, req: SimRequest) -> None:
         extend_block_hashes(req, self.kv.block_size)
         req.status = Status.WAITING
-        self.waiting.append(req)
+        self._enqueue(req)
+
+    def _enqueue(self, req: SimRequest, front: bool = False) -> None:
+        """Into the waiting queue: FCFS at the back (a preempted request at the front); by priority
+        at its (priority, arrival) place."""
+        if self.by_priority:
+            key = (req.priority, req.arrival_time)
+            i = bisect.bisect_right([(r.priority, r.arrival_time) for r in self.waiting], key)
+            self.waiting.insert(i, req)
+        elif front:
+            self.waiting.appendleft(req)
+        else:
+            self.waiting.append(req)
 
     def remove(self, req: SimRequest) -> None:
         """Drop a request (finished or aborted) and free its blocks."""
@@ -170,13 +191,17 @@ class Scheduler:
         return True
 
     def _preempt_last(self) -> SimRequest:
-        victim = self.running.pop()
+        if self.by_priority:
+            victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
+            self.running.remove(victim)
+        else:
+            victim = self.running.pop()
         self.kv.free_request(victim)
         victim.num_computed_tokens = 0
         victim.status = Status.PREEMPTED
         victim.num_preemptions += 1
         self.stats.num_preemptions += 1
-        self.waiting.appendleft(victim)
+        self._enqueue(victim, front=True)
         return victim
 
     def _admit_prefix(self, req: SimRequest) -> list[int]:
@@ -196,7 +221,16 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(req, req.num_computed_tokens + n, preempted):
+            before = len(preempted)
+            ok = self._allocate_or_preempt(req, req.num_computed_tokens + n, preempted)
+            for victim in preempted[before:]:  # by priority, a victim may be one scheduled earlier this step
+                for j, it in enumerate(items):
+                    if it.req is victim:
+                        budget += it.num_new_tokens
+                        del items[j]
+                        i -= 1
+                        break
+            if not ok:
                 break
             items.append(ScheduledItem(req, n, req.num_computed_tokens))
             budget -= n
