@@ -121,3 +121,22 @@ def test_builtin_experiments_plan():
         (s, c) for s in ("512x128", "64x256") for c in ("steady-cost-efficiency", "burst-cost-efficiency")}
     a100 = load_experiment("cost-a100")
     assert a100.backend["kind"] == "sim" and len(experiment.plan(a100, Options())) == 4
+
+
+def test_each_case_sends_prompts_of_its_own_so_a_backend_cache_does_not_carry_over(tmp_path):
+    # One profile, two cases in turn on the same simulated server (prefix caching on, as vLLM's
+    # default): with one seed for every cell the second cell re-sent the first one's prompts and was
+    # served from the cache. Same case on another profile: the same requests (cells stay comparable).
+    f = tmp_path / "two.yaml"
+    f.write_text(TINY.replace("""cases:
+  steady:""", """cases:
+  again:
+    arrival: {process: poisson, rate: 8}
+    num_requests: 12
+    timeout_s: 4
+  steady:""").replace("  naive-single: {sim_profile: naive-single, time_scale: 5}   # per-profile override\n", ""))
+    data = run_experiment(load_experiment(str(f)), Options(out_dir=tmp_path, quiet=True), Console(quiet=True))
+    hits = [c["result"]["backends"]["prefix_hit_rate"] for c in data["cells"]]
+    assert len(hits) == 2 and hits == [0.0, 0.0]
+    assert experiment.cell_seed(0, "128x32", "steady") != experiment.cell_seed(0, "128x32", "again")
+    assert experiment.cell_seed(0, "128x32", "steady") != experiment.cell_seed(0, "512x128", "steady")

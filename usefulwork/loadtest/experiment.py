@@ -26,6 +26,7 @@ import platform
 import subprocess
 import sys
 import time
+import zlib
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from importlib import resources
@@ -496,12 +497,22 @@ def plan(exp: Experiment, opts: Options) -> list[tuple[Profile, dict[str, Any], 
     return out
 
 
+def cell_seed(seed: int, shape: str, case: str) -> int:
+    """The load's seed for one (shape, case): the same on every profile (cells compare on identical
+    requests and arrivals), different between cases. A profile's backend serves all its cells in turn,
+    and its prefix cache outlives a cell: with one seed everywhere, every cell after the first re-sent
+    the first cell's prompts and was served from that cache (the admission experiment's "capacity" of
+    16-18 req/s was a simulated A100 answering repeated prompts; fresh prompts give ~12)."""
+    return (seed + zlib.crc32(f"{shape}/{case}".encode())) % 2**31
+
+
 def run_cell(exp: Experiment, profile: Profile, shape: dict[str, Any], case: Case, url: str,
              use_gateway: bool, console: Console | None) -> dict[str, Any]:
     s = time_scale(exp, profile)
     arr, dur, timeout, drain = to_wall(case, s)
     load = LoadSpec(arrival=arrivals.from_spec(arr) if arr else None, concurrency=case.concurrency, duration_s=dur,
-                    num_requests=case.num_requests, timeout_s=timeout, drain_s=drain, seed=exp.seed,
+                    num_requests=case.num_requests, timeout_s=timeout, drain_s=drain,
+                    seed=cell_seed(exp.seed, shape["name"], case.name),
                     clients=case.clients, honor_retry_after=case.honor_retry_after)
     workload = workloads.from_spec(case.workload, Path(exp.source).parent)
     target = Target(url, profile.model or served_name(exp))

@@ -185,22 +185,27 @@ def test_capacity_grows_fast_from_cold_then_backs_off_on_slow_service():
         n += 1
     assert n == 40  # one per sample: from 8 to 48 in 40 samples (the old rule needed the limit reached)
     cap.observe(Sample(ttft=0.2, tpot=0.02, service=9.0, tokens=640, ok=True, inflight_at_admit=40), 5.0)
-    assert cap.decreases == 0  # one slow answer moves the mean (2.7 s), not the verdict
+    assert cap.decreases == 0  # one slow answer in 41 is under the 5% tail: not a verdict
+    assert cap.tail(cap.recent_e2e) == 2.0
     t = 6.0
-    while cap.decreases == 0:  # the mean service time climbs over 4 s: back off by 10%
+    while cap.decreases == 0:  # the 95th percentile of service time climbs over 4 s: back off
         cap.observe(Sample(ttft=0.2, tpot=0.02, service=9.0, tokens=640, ok=True, inflight_at_admit=0), t)
         t += 0.1
     lim = cap.limit
     cap.observe(Sample(ttft=0.2, tpot=0.02, service=9.0, tokens=640, ok=True, inflight_at_admit=8), t)
     assert cap.decreases == 1 and cap.limit == lim  # at most one cut per service time
+    assert sum(x == 9.0 for x in cap.recent_e2e) == 4  # 4 slow answers in 44: 9% of the window, over the 5% tail
     cap.observe(Sample(ttft=0.2, tpot=0.02, service=9.0, tokens=640, ok=True, inflight_at_admit=8), t + 10)
-    # cut in proportion to the overshoot: the mean service over its 4 s target
-    assert cap.decreases == 2 and cap.limit == pytest.approx(lim * 4.0 / cap.service)
+    # cut in proportion to the overshoot (the tail, 9 s, is 2.25x its 4 s target), at most halved
+    assert cap.decreases == 2 and cap.limit == pytest.approx(lim * 0.5)
+    cap.observe(Sample(ttft=0.2, tpot=0.02, service=4.2, tokens=640, ok=True, inflight_at_admit=8), t + 30)
+    assert cap.limit == pytest.approx(lim * 0.25)  # still over: another cut
     assert cap.drain_rate() == pytest.approx(cap.current() / cap.service)
 
 
 def test_capacity_grows_only_when_the_limit_was_tested_and_slowly_near_the_target():
-    cap = Capacity(AdmissionCfg(initial_concurrency=8), *SLO, replica_count=lambda: 1)
+    # (under 10 samples the means are judged; E2E target 0.7 x 5 s = 3.5 s)
+    cap = Capacity(AdmissionCfg(initial_concurrency=8, target_fraction=0.7), *SLO, replica_count=lambda: 1)
     cap.observe(Sample(0.2, 0.02, 2.0, 640, True, inflight_at_admit=1), 0.0)
     assert cap.limit == 8.0  # an idle pool says nothing about its limit
     cap.observe(Sample(0.2, 0.02, 2.0, 640, True, inflight_at_admit=7), 0.0)
@@ -241,7 +246,7 @@ def test_batch_fills_idle_capacity_beyond_the_slo_limit_and_interactive_still_ge
         kv_usage = 0.3
 
     r = R()
-    c = AdmissionCfg(initial_concurrency=10, reserve_fraction=0.2)
+    c = AdmissionCfg(initial_concurrency=10, reserve_fraction=0.2, target_fraction=0.7)
     cap = Capacity(c, *SLO, replicas=lambda: [r])
     cap.service, cap.svc_ttft, cap.tpot = 3.4, 0.1, 0.01  # near the E2E target (3.5 s): the SLO limit barely grows
     q = PoolQueue("p", cap, reserve_fraction=c.reserve_fraction, e2e_slo_s=SLO[2])

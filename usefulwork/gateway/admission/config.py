@@ -21,9 +21,13 @@ class AdmissionCfg(BaseModel):
                                      "(or what the replicas already run, if more); the learnt limits are per replica too.")
     max_concurrency: int | None = Field(None, ge=1, description="Optional cap on requests in flight per pool (None: measured only).")
     min_concurrency: int = Field(1, ge=1, description="The adaptive limit never goes below this per pool.")
-    target_fraction: float = Field(0.7, gt=0, le=1, description="The limit grows while the running means of admitted "
-                                   "requests' service TTFT, TPOT and E2E stay under this fraction of the SLO, and "
-                                   "shrinks when not (means: the tail needs the rest of the SLO).")
+    target_fraction: float = Field(0.75, gt=0, le=1, description="The limit grows while the tail (tail_quantile) of "
+                                   "admitted requests' service TTFT and E2E and the mean TPOT stay under this fraction "
+                                   "of the SLO, and shrinks when not (the rest of the SLO is for the queue's wait).")
+    tail_quantile: float = Field(0.95, gt=0.5, lt=1, description="Quantile of the recent service TTFT and E2E that "
+                                 "the limit is judged on (the SLO's own percentile: 0.95 for attainment 95%).")
+    tail_window: int = Field(100, ge=20, description="Recent successful requests the tail is taken over (fewer than "
+                             "10: the running means are used).")
     kv_high: float = Field(0.95, gt=0, le=1, description="KV-cache usage above which a pool is saturated (no growth).")
     reserve_fraction: float = Field(0.1, ge=0, lt=1, description="Share of the SLO limit that batch work leaves free of "
                                     "its fill limit (interactive work also runs on top of batch, within its own SLO limit).")

@@ -155,7 +155,7 @@ class PoolQueue:
         held for another service time. Continuous batching releases in clumps (requests admitted
         together finish together): a fluid drain rate would promise slots that come later."""
         cap = self.capacity
-        service = (cap.service or cap.slo_e2e_s or 0.0) + 2.0 * cap.service_dev
+        service = cap.slot_hold() if cap.service else (cap.slo_e2e_s or 0.0)
         starts = sorted(x.admitted_at for x in self.running)
         rounds, i = divmod(position - 1, len(starts))
         return max(1e-3, starts[i] + service * (rounds + 1) - now)  # overdue: any moment (not "now": no slot is free)
@@ -320,15 +320,19 @@ class PoolQueue:
         return out
 
     def latest_start(self, t: Ticket) -> float:
-        """The last dispatch time at which ``t`` still expects to meet its deadline."""
-        return t.deadline - self.capacity.est_ttft()
+        """The last dispatch time at which ``t`` still expects to meet its deadline and, for a class
+        whose deadline is within the E2E SLO, the E2E SLO with the full pool's service time (a start
+        that makes the TTFT deadline can still finish late: those were most of a burst's late answers)."""
+        latest = t.deadline - self.capacity.est_ttft()
+        if self.e2e_slo_s is not None and t.deadline - t.arrival <= self.e2e_slo_s:
+            latest = min(latest, t.arrival + self.e2e_slo_s - self.capacity.est_e2e(t.max_tokens))
+        return latest
 
     def expire(self, now: float) -> list[Ticket]:
         """Queued tickets at their latest start: admitted when the limit allows it with ``OVERSHOOT``
         (the queue promised them a start: a limit cut since must not turn that into a late 429), shed
         otherwise. Returns them (look at ``state``)."""
-        margin = self.capacity.est_ttft()
-        out = [t for cls_q in self.queues for q in cls_q.values() for t in q if t.deadline - margin <= now]
+        out = [t for cls_q in self.queues for q in cls_q.values() for t in q if self.latest_start(t) <= now]
         for t in out:
             if self._overshoot_ok(t):
                 self._remove(t)

@@ -1,0 +1,126 @@
+"""Admission's decision rules on the simulated engine's virtual clock: deterministic, seconds of CPU.
+
+The admission filter's own ``PoolQueue`` and ``Capacity`` (usefulwork/gateway/admission/) in front of
+one simulated A100-80G serving Llama-3.1-8B (512 prompt / 128 output tokens; SLO TTFT 2 s, TPOT
+100 ms, E2E 5 s), driven by the autoscale what-if's event loop (usefulwork/loadtest/autoscale.py) with a
+fixed fleet of one replica, no HTTP and no wall clock: host noise cannot move these figures, so rules
+can be compared here before the wall-clock experiment (`usefulwork loadtest --experiment admission`).
+
+Workloads: the seed's burst (2 -> 25 req/s, 45 s period) at 20% and 40% duty, 90 s, two seeds each;
+steady Poisson overload at 12, 14 and 24 req/s, 120 s. Per cell: goodput (SLO-meeting answers per
+second), SLO attainment of the answers served, p95 E2E of served. Admission off is run once per
+workload as the reference; capacity at the SLO is the best goodput of admission off among steady rates
+that met the SLO (10-13 req/s).
+
+    python benchmarks/admission_virtual.py                          # the shipped defaults
+    python benchmarks/admission_virtual.py --rule tail:0.75 --rule tail:0.9 --rule mean:0.7
+
+``mean:F`` judges the limit on the running means under F x SLO (the rule before 2026-11-22);
+``tail:F`` on the p95 of the recent window under F x SLO (the shipped rule; F = target_fraction).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import usefulwork.loadtest.autoscale as autoscale  # noqa: E402
+from usefulwork.gateway.admission import capacity as capacity_mod  # noqa: E402
+from usefulwork.gateway.admission.config import AdmissionCfg  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Steady(autoscale.Day):
+    def multiple(self, hour: float) -> float:
+        return 1.0
+
+
+@dataclass(frozen=True)
+class Burst(autoscale.Day):
+    duty: float = 0.2
+    period_s: float = 45.0
+
+    def rate_at(self, t: float) -> float:
+        return self.peak_rate if (t % self.period_s) < self.period_s * self.duty else self.base_rate
+
+
+def workloads() -> dict[str, autoscale.Day]:
+    out: dict[str, autoscale.Day] = {}
+    for duty in (0.2, 0.4):
+        for seed in (1, 2):
+            out[f"burst-{int(duty * 100)}%-s{seed}"] = Burst(day_s=90, base_rate=2.0, peak_rate=25.0, burstiness=1.0,
+                                                              seed=seed, duty=duty)
+    for rate in (10.0, 11.0, 12.0, 13.0, 14.0, 24.0):
+        out[f"steady-{rate:g}"] = Steady(day_s=120, base_rate=rate, peak_rate=rate, burstiness=1.0, seed=1)
+    return out
+
+
+def run(day: autoscale.Day, cfg: AdmissionCfg | None) -> dict[str, Any]:
+    policy = autoscale.Policy("one", "one replica", fixed=1, admission=cfg is not None)
+    if cfg is not None:
+        autoscale.AdmissionCfg = lambda: cfg  # the what-if builds its queue from AdmissionCfg()
+    sim = autoscale.Simulation(policy, day, autoscale.Fleet(), autoscale.Client(max_retries=0), autoscale.SLO)
+    r = sim.run()
+    slo = autoscale.SLO
+    good = sum(1 for x in sim.requests if x.outcome == "ok" and x.ttft <= slo.ttft_ms / 1e3 and x.e2e <= slo.e2e_ms / 1e3
+               and (x.tpot or 0.0) <= slo.tpot_ms / 1e3)
+    served = r["successful"]
+    return {"sent": r["requests"], "served": served, "shed": r["sheds"], "goodput_per_s": good / day.day_s,
+            "attainment_served": good / served if served else None, "p95_e2e_s": r["p95_e2e_s"]}
+
+
+def with_rule(rule: str) -> AdmissionCfg:
+    kind, _, frac = rule.partition(":")
+    if kind not in ("mean", "tail"):
+        raise SystemExit(f"--rule {rule!r}: use mean:F or tail:F")
+    # mean: no tail, so Capacity judges the running means (its behaviour under 10 samples)
+    capacity_mod.Capacity.tail = _no_tail if kind == "mean" else _TAIL
+    return AdmissionCfg(target_fraction=float(frac)) if frac else AdmissionCfg()
+
+
+_TAIL = capacity_mod.Capacity.tail
+
+
+def _no_tail(self, xs):  # noqa: ANN001
+    return None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rule", action="append", default=None, help="mean:F or tail:F (default: the shipped tail rule)")
+    ap.add_argument("--json", type=Path, default=None, help="write the figures here")
+    args = ap.parse_args()
+    rules = args.rule or [f"tail:{AdmissionCfg().target_fraction:g}"]
+    days = workloads()
+    data: dict[str, Any] = {"off": {name: run(day, None) for name, day in days.items()}}
+    steady_ok = [v["goodput_per_s"] for k, v in data["off"].items() if k.startswith("steady") and v["attainment_served"]
+                 and v["attainment_served"] >= 0.95 and v["p95_e2e_s"] <= autoscale.SLO.e2e_ms / 1e3]
+    data["capacity_at_slo_per_s"] = max(steady_ok) if steady_ok else None
+    for rule in rules:
+        cfg = with_rule(rule)
+        data[rule] = {name: run(day, cfg) for name, day in days.items()}
+    cap = data["capacity_at_slo_per_s"]
+    print(f"capacity at the SLO (admission off, steady): {cap:.2f} req/s" if cap else "capacity: none met the SLO")
+    print("| workload | " + " | ".join(["off", *rules]) + " |")
+    print("|---|" + "---|" * (len(rules) + 1))
+    for name in days:
+        cells = []
+        for key in ["off", *rules]:
+            v = data[key][name]
+            att = "-" if v["attainment_served"] is None else f"{v['attainment_served']:.1%}"
+            cells.append(f"{v['goodput_per_s']:.2f} / {att} / {v['p95_e2e_s']:.2f}")
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    print("(goodput req/s / SLO attainment of served / p95 E2E of served, s)")
+    if args.json:
+        args.json.write_text(json.dumps(data, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
