@@ -421,3 +421,16 @@ def test_clumped_releases_of_continuous_batching_do_not_leave_sheds_to_the_deadl
     assert shed_now > 100 and len(expired) <= 0.01 * 240
     assert max(start - t.arrival for t, start in starts) <= 1.9  # within the budget: 2 s deadline - 0.1 s TTFT
     assert len(starts) >= 8 * 10 - 8  # the slots were kept full
+
+
+def test_batch_work_admitted_beyond_the_slo_limit_does_not_enter_the_tail_the_limit_is_judged_on():
+    # With vLLM's priority scheduling, batch work filling the pool waits inside vLLM behind interactive
+    # work and holds its slot for many seconds; that says nothing about the SLO limit.
+    cap = Capacity(AdmissionCfg(initial_concurrency=10), *SLO, replica_count=lambda: 1)
+    cap.batch_limit = 40.0
+    for i in range(50):
+        cap.observe(Sample(ttft=8.0, tpot=0.05, service=20.0, tokens=640, ok=True, inflight_at_admit=30), float(i))
+    assert cap.decreases == 0 and cap.limit == 10.0 and len(cap.recent_e2e) == 0
+    for i in range(50):  # within the limit: judged (20 s is 5.3x the 3.75 s E2E target: cut)
+        cap.observe(Sample(ttft=0.2, tpot=0.02, service=20.0, tokens=640, ok=True, inflight_at_admit=5), 100.0 + 30 * i)
+    assert cap.decreases > 0 and cap.limit < 10.0

@@ -195,9 +195,7 @@ class Capacity:
         if not s.ok:
             return  # failures say nothing about the pool's speed
         self.samples += 1
-        self.recent_e2e.append(s.service)
         if s.ttft is not None:
-            self.recent_ttft.append(s.ttft)
             if self.svc_ttft is not None:
                 self.ttft_dev = _ewma(self.ttft_dev, abs(s.ttft - self.svc_ttft))
             self.svc_ttft = _ewma(self.svc_ttft, s.ttft)
@@ -236,6 +234,11 @@ class Capacity:
         # filling the pool) say nothing about it: the fill limit answers for them.
         if per_replica + 1 > self.limit + 1e-9 and self.batch_limit > self.limit:
             return
+        # (so are they kept out of the tail's window: batch work queued inside vLLM behind interactive
+        # work, with priority scheduling, held slots 10 s and cut the SLO limit from 32 to 1)
+        self.recent_e2e.append(s.service)
+        if s.ttft is not None:
+            self.recent_ttft.append(s.ttft)
         load = self._load()
         if load > 1.0:
             if now - self.last_decrease >= (self.service or 0.0):
