@@ -73,7 +73,8 @@ def markdown(data: dict) -> str:
                 f"(**{_f((r['fraction'] or 0) * 100, 1, '%')}**); final outcomes {r['final']}."]
     p = a.get("priority")
     if p:
-        out += ["", "Priorities at 2x overload (22 req/s; 1 interactive : 3 batch):", "",
+        rate = (exp.cases[exp.compare["admission"]["priority"]["case"]].get("arrival") or {}).get("rate")
+        out += ["", f"Priorities at 2x overload ({rate:g} req/s; 1 interactive : 3 batch):", "",
                 f"- interactive TTFT p99: {_f(p['interactive_ttft_p99_s'], 3)} s with admission, "
                 f"{_f(p['unloaded_ttft_p99_s'], 3)} s unloaded (**{_f(p['ratio'])}x**); "
                 f"{_f(p.get('interactive_ttft_p99_off_s'), 3)} s with admission off.",
