@@ -434,3 +434,25 @@ def test_batch_work_admitted_beyond_the_slo_limit_does_not_enter_the_tail_the_li
     for i in range(50):  # within the limit: judged (20 s is 5.3x the 3.75 s E2E target: cut)
         cap.observe(Sample(ttft=0.2, tpot=0.02, service=20.0, tokens=640, ok=True, inflight_at_admit=5), 100.0 + 30 * i)
     assert cap.decreases > 0 and cap.limit < 10.0
+
+
+@pytest.mark.parametrize("priority_scheduling", [False, True])
+def test_under_vllm_priority_scheduling_batch_waiting_inside_vllm_does_not_cut_the_fill_limit(priority_scheduling):
+    class R:
+        healthy = True
+        running = 60.0
+        waiting = 30.0  # batch work queued inside vLLM
+        kv_usage = 0.5
+
+    cap = Capacity(AdmissionCfg(initial_concurrency=10), *SLO, replicas=lambda: [R()],
+                   priority_scheduling=priority_scheduling)
+    cap.batch_limit = 40.0
+    for i in range(30):  # interactive answers stay fast; batch ones wait behind them (TTFT 20x)
+        cap.observe(Sample(ttft=0.1, tpot=0.02, service=2.0, tokens=640, ok=True, inflight_at_admit=5, cls=0), float(i))
+        cap.observe(Sample(ttft=2.0, tpot=0.02, service=4.0, tokens=640, ok=True, inflight_at_admit=35, cls=1), float(i))
+    if priority_scheduling:
+        assert not cap.queueing() and cap.batch_decreases == 0 and cap.batch_limit > 40.0
+    else:  # FCFS: a waiting batch prefill delays whoever comes next: cut
+        assert cap.queueing() and cap.batch_decreases > 0
+    R.kv_usage = 0.99
+    assert cap.queueing()  # a full KV cache is a limit either way

@@ -57,14 +57,22 @@ class Sample:
     tokens: int  # prompt + completion
     ok: bool  # ended with a complete answer (an error or cancel is not a service sample)
     inflight_at_admit: int  # requests in flight when it was admitted (was the limit being tested?)
+    cls: int = 0  # its priority class (0 interactive)
 
 
 class Capacity:
     """The adaptive in-flight limits and the service-time estimates of one pool."""
 
     def __init__(self, cfg: AdmissionCfg, slo_ttft_s: float, slo_tpot_s: float, slo_e2e_s: float,
-                 replicas: Callable[[], Iterable] = tuple, replica_count: Callable[[], int] | None = None):
+                 replicas: Callable[[], Iterable] = tuple, replica_count: Callable[[], int] | None = None,
+                 priority_scheduling: bool = False):
         self.cfg = cfg
+        # The replicas run vLLM's priority scheduling: batch work waiting inside vLLM does not delay
+        # interactive work, so the fill limit's queueing signal is the interactive TTFT alone.
+        self.priority_scheduling = priority_scheduling
+        self.inter_ttft: float | None = None  # EWMA of interactive samples' service TTFT
+        self.inter_floor: float | None = None
+        self._inter_samples = 0
         self.replicas = replicas  # live replica state (running, waiting, kv_usage, num_gpu_blocks, block_size)
         self._count = replica_count
         f = cfg.target_fraction
@@ -109,7 +117,14 @@ class Capacity:
     def queueing(self) -> bool:
         """The fill limit's signal: new requests wait inside vLLM. Seen directly in the service TTFT
         (its running mean over ``FILL_TTFT_FACTOR`` x the lowest seen: prefills queue behind others),
-        or scraped: a replica holds more than a step's worth of arrivals in its own queue."""
+        or scraped: a replica holds more than a step's worth of arrivals in its own queue. Under vLLM's
+        priority scheduling only interactive work's TTFT counts, and vLLM's own queue does not (batch
+        waits there by design, behind interactive work; in the experiment, judging batch's TTFT cut
+        the fill limit until the backend ran 80% of admission off's tokens); a full KV cache still does."""
+        if self.priority_scheduling:
+            if self.inter_floor is not None and self.inter_ttft is not None and self.inter_ttft > FILL_TTFT_FACTOR * self.inter_floor:
+                return True
+            return any(getattr(r, "kv_usage", 0.0) > self.cfg.kv_high for r in self.replicas())
         if self.ttft_floor is not None and self.svc_ttft is not None and self.svc_ttft > FILL_TTFT_FACTOR * self.ttft_floor:
             return True
         return any(getattr(r, "waiting", 0.0) > max(2.0, 0.05 * getattr(r, "running", 0.0))
@@ -201,6 +216,11 @@ class Capacity:
             self.svc_ttft = _ewma(self.svc_ttft, s.ttft)
             if self.samples > 10:  # (a mean of a few samples is not a floor)
                 self.ttft_floor = self.svc_ttft if self.ttft_floor is None else min(self.ttft_floor, self.svc_ttft)
+            if s.cls == 0:
+                self._inter_samples += 1
+                self.inter_ttft = _ewma(self.inter_ttft, s.ttft)
+                if self._inter_samples > 10:
+                    self.inter_floor = self.inter_ttft if self.inter_floor is None else min(self.inter_floor, self.inter_ttft)
         n = self.count()
         if s.tpot is not None:
             self.tpot = _ewma(self.tpot, s.tpot)

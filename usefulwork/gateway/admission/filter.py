@@ -133,7 +133,8 @@ class AdmissionFilter:
         if q is None:
             replicas = (lambda: pool.healthy_replicas() or pool.replicas) if pool is not None else tuple
             cap = Capacity(self.cfg, self.slo.ttft_ms / 1000.0, self.slo.tpot_ms / 1000.0, self.slo.e2e_ms / 1000.0,
-                           replicas=replicas)
+                           replicas=replicas,
+                           priority_scheduling=pool is not None and pool.cfg.scheduling_policy == "priority")
             q = self.queues[name] = PoolQueue(name, cap, weight_of=lambda t: self.tenants.settings(t).weight,
                                               reserve_fraction=self.cfg.reserve_fraction,
                                               max_queue=self.cfg.max_queue, e2e_slo_s=self.slo.e2e_ms / 1000.0)
@@ -312,7 +313,7 @@ class AdmissionFilter:
                             # (the endpoint classifies the outcome after closing: read the status)
                             tokens=ctx.prompt_tokens + ctx.completion_tokens,
                             ok=ok and ctx.status_code < 400 and ctx.t_first_token is not None,
-                            inflight_at_admit=t.inflight_at_admit)
+                            inflight_at_admit=t.inflight_at_admit, cls=t.cls)
         actual = ctx.prompt_tokens + ctx.completion_tokens if ctx.usage_source != "none" else None
         self._dispatch(queue, queue.release(t, now, sample, actual))
 
