@@ -256,9 +256,16 @@ class Capacity:
             return
         # (so are they kept out of the tail's window: batch work queued inside vLLM behind interactive
         # work, with priority scheduling, held slots 10 s and cut the SLO limit from 32 to 1)
+        if now - s.service < self.last_decrease:
+            # Admitted before the last cut: it shows the limit that was cut, not the one in force. One
+            # cut per round trip (TCP's rule): judging those late answers again cut the limit from 70
+            # to 35 per replica within 33 s of a ramp while the pool met its SLO at 60.
+            return
         self.recent_e2e.append(s.service)
         if s.ttft is not None:
             self.recent_ttft.append(s.ttft)
+        if self.decreases and len(self.recent_e2e) < 10:
+            return  # since the last cut: wait for ten answers admitted under the new limit
         load = self._load()
         if load > 1.0:
             if now - self.last_decrease >= (self.service or 0.0):
@@ -267,6 +274,8 @@ class Capacity:
                 self.limit = max(float(self.cfg.min_concurrency) / n, self.limit * max(0.5, min(0.9, 1.0 / load)))
                 self.last_decrease = now
                 self.decreases += 1
+                self.recent_e2e.clear()  # the window described the limit just cut
+                self.recent_ttft.clear()
             return
         if self.saturated():  # the replicas say "full" before the SLO does: hold, do not grow
             return
