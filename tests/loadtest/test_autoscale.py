@@ -85,3 +85,21 @@ def test_replica_hour_bound_grows_with_compression():
     assert real["needed"] == pytest.approx(compressed["needed"], abs=0.01)  # the same day's shape
     assert real["with_windows"] - real["needed"] < 0.02  # 300 s windows are nothing in a real day
     assert compressed["with_windows"] > real["with_windows"] + 0.1  # ... and a lot in a 24-minute one
+
+
+def test_the_gateway_policy_target_is_three_quarters_of_what_a_replica_holds_at_its_slo_capacity(monkeypatch):
+    # One replica at its SLO capacity (10 req/s, the fleet's replica_capacity_rps) under the day's
+    # bursty arrivals: it meets the SLO, and by Little's law holds rate x mean E2E requests in flight.
+    # The HPA's per-pod target (and deploy/k8s/'s) is 75% of that: a model or engine change that moves
+    # it is caught here.
+    from usefulwork.loadtest import autoscale
+
+    monkeypatch.setattr(autoscale, "ENVELOPE", ((0.0, 1.0), (24.0, 1.0)))  # a flat day
+    fleet = Fleet()
+    day = Day(day_s=600.0, base_rate=fleet.replica_capacity_rps, peak_rate=fleet.replica_capacity_rps)
+    sim = autoscale.Simulation(autoscale.Policy("one", "one replica", fixed=1), day, fleet, Client(), autoscale.SLO)
+    res = sim.run()
+    assert res["slo_attainment"] >= 0.95 and res["timeouts"] == 0
+    e2e = [r.e2e for r in sim.requests if r.e2e is not None]
+    in_flight = fleet.replica_capacity_rps * sum(e2e) / len(e2e)
+    assert 0.65 <= autoscale.GATEWAY_QUEUE_TARGET / in_flight <= 0.85, in_flight
