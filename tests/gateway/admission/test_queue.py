@@ -92,6 +92,38 @@ def test_vtc_serves_quiet_tenant_before_the_heavy_backlog():
     assert q.release(first, 0.01, actual_tokens=640) == [quiet]
 
 
+@pytest.mark.parametrize("headroom", [0.0, 0.1])
+def test_a_tenant_over_its_fair_share_leaves_headroom_so_a_quiet_tenant_is_admitted_at_once(headroom):
+    q = make_queue(limit=20, service_s=1.0)
+    q.tenant_headroom = headroom
+    heavy = [ticket(0.0, "heavy", deadline_s=100) for _ in range(20)]
+    assert [q.offer(t, 0.0).kind for t in heavy] == ["admit"] * 20  # alone, its share is the whole pool
+    first_quiet = ticket(0.1, "quiet", deadline_s=100)
+    assert q.offer(first_quiet, 0.1).kind == "queue"  # the pool is full
+    assert q.release(heavy[0], 0.5) == [first_quiet]  # the least-served tenant goes next
+    q.release(heavy[1], 0.6)
+    q.release(heavy[2], 0.6)  # 17 heavy + 1 quiet in flight
+    more_heavy = [ticket(0.6, "heavy", deadline_s=100) for _ in range(2)]
+    kinds = [q.offer(t, 0.6).kind for t in more_heavy]
+    quiet = ticket(0.7, "quiet", deadline_s=100)
+    if headroom:
+        # heavy holds 17 of 20, over its share of 10: it leaves 2 slots (10% of 20) free, so it queues
+        # and the quiet tenant's next request is admitted at once
+        assert kinds == ["queue", "queue"] and q.inflight_tenant == {"heavy": 17, "quiet": 1}
+        assert q.offer(quiet, 0.7).kind == "admit"
+    else:
+        assert kinds == ["admit", "admit"]
+        assert q.offer(quiet, 0.7).kind == "queue"  # heavy took every freed slot
+    # once the quiet tenant has gone quiet for tenant_active_s, heavy's share is the whole pool again
+    late = ticket(100.0, "heavy", deadline_s=100)
+    for t in [*heavy[3:], first_quiet, *more_heavy, quiet]:
+        q.release(t, 99.0)
+    assert q.inflight == 0 and q.inflight_tenant == {}
+    for _ in range(19):
+        q.offer(ticket(100.0, "heavy", deadline_s=100), 100.0)
+    assert q.offer(late, 100.0).kind == "admit" and q.inflight == 20
+
+
 def test_vtc_shares_tokens_by_weight_and_lifts_returning_tenant():
     q = make_queue(limit=1, service_s=0.01)
     q.weight_of = lambda t: 2.0 if t == "big" else 1.0

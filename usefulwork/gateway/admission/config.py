@@ -31,6 +31,11 @@ class AdmissionCfg(BaseModel):
     kv_high: float = Field(0.95, gt=0, le=1, description="KV-cache usage above which a pool is saturated (no growth).")
     reserve_fraction: float = Field(0.1, ge=0, lt=1, description="Share of the SLO limit that batch work leaves free of "
                                     "its fill limit (interactive work also runs on top of batch, within its own SLO limit).")
+    tenant_headroom: float = Field(0.1, ge=0, lt=1, description="Share of the SLO limit that a tenant already holding "
+                                   "its weighted fair share of it leaves free for the other active tenants, so a quiet "
+                                   "tenant finds a slot at once while a heavy one keeps the pool full (0: off).")
+    tenant_active_s: float = Field(30.0, gt=0, description="A tenant counts toward the fair shares for this long after "
+                                   "its last request.")
     max_queue: int = Field(4096, ge=0, description="Queued requests per pool beyond which new ones are shed.")
     redis_url: str | None = Field(None, description="Redis shared by all gateway processes for rate limits and budgets "
                                   "(None: per-process limits).")

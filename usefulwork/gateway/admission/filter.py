@@ -137,6 +137,8 @@ class AdmissionFilter:
                            priority_scheduling=pool is not None and pool.cfg.scheduling_policy == "priority")
             q = self.queues[name] = PoolQueue(name, cap, weight_of=lambda t: self.tenants.settings(t).weight,
                                               reserve_fraction=self.cfg.reserve_fraction,
+                                              tenant_headroom=self.cfg.tenant_headroom,
+                                              tenant_active_s=self.cfg.tenant_active_s,
                                               max_queue=self.cfg.max_queue, e2e_slo_s=self.slo.e2e_ms / 1000.0)
         return q
 

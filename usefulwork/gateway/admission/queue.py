@@ -94,6 +94,8 @@ class PoolQueue:
     reserve_fraction: float = 0.1
     max_queue: int = 4096
     e2e_slo_s: float | None = None
+    tenant_headroom: float = 0.0  # share of the SLO limit a tenant over its fair share leaves free (0: off)
+    tenant_active_s: float = 30.0  # a tenant counts toward the fair shares this long after its last request
     inflight: int = 0
     inflight_cls: list[int] = field(default_factory=lambda: [0 for _ in PRIORITIES])
     running: set[Ticket] = field(default_factory=set)  # admitted, not yet released
@@ -107,16 +109,42 @@ class PoolQueue:
     _held: dict[int, float] = field(default_factory=dict)  # ticket key -> its reserved time
     retries_honoured: int = 0
     return_rate: float = 0.0  # EWMA over ended reservations: 1 taken back, 0 expired unused
+    inflight_tenant: dict[str, int] = field(default_factory=dict)
+    last_seen: dict[str, float] = field(default_factory=dict)  # tenant -> its last request's arrival
+    _now: float = 0.0  # the time of the call in progress (every entry point takes ``now``)
+    _active: tuple[float, float] = (math.nan, 0.0)  # (time, total weight of the active tenants) cache
 
     # -- the decision --
-    def free(self, cls: int) -> int:
-        """Slots a ticket of class ``cls`` may take now (interactive: its own SLO limit, within the fill
-        limit; lower classes: the fill limit less the interactive reserve)."""
+    def free(self, cls: int, tenant: str | None = None) -> int:
+        """Slots a ticket of class ``cls`` (of ``tenant``) may take now (interactive: its own SLO limit,
+        within the fill limit; lower classes: the fill limit less the interactive reserve). A tenant
+        already holding its fair share leaves ``tenant_headroom`` of the SLO limit free for the others."""
         slo, fill = self.capacity.limits()
+        headroom = 0
+        if tenant is not None and self.tenant_headroom and self.over_share(tenant, slo):
+            headroom = max(1, math.ceil(slo * self.tenant_headroom))
         if cls == 0:
-            return slo - self.inflight_cls[0]
+            return slo - headroom - self.inflight_cls[0]
         reserve = max(1, math.ceil(slo * self.reserve_fraction)) if self.reserve_fraction else 0
-        return max(1, fill - reserve) - self.inflight
+        return max(1, fill - reserve - headroom) - self.inflight
+
+    def over_share(self, tenant: str, slo: int) -> bool:
+        """``tenant`` holds at least its weighted share of the SLO limit among the tenants active in the
+        last ``tenant_active_s`` (a lone tenant never does: its share is the whole pool)."""
+        now = self._now
+        if not now - self._active[0] < 1.0:  # recomputed at most once a second (and when a tenant appears)
+            horizon = now - self.tenant_active_s
+            stale = [u for u, seen in self.last_seen.items() if seen < horizon and not self.inflight_tenant.get(u)]
+            for u in stale:
+                del self.last_seen[u]
+            self._active = (now, sum(self.weight_of(u) for u in self.last_seen))
+        total = self._active[1]
+        w = self.weight_of(tenant)
+        if tenant not in self.last_seen:
+            total += w
+        if total <= w:
+            return False
+        return self.inflight_tenant.get(tenant, 0) >= slo * w / total
 
     def drain_rate(self, cls: int) -> float | None:
         rate = self.capacity.drain_rate()
@@ -140,7 +168,7 @@ class PoolQueue:
 
     def predict_wait(self, t: Ticket, now: float, reserved: int = 0, own: int | None = None) -> float | None:
         """Seconds until ``t`` would be dispatched (0: now; None: no measurement yet)."""
-        position = self.ahead_of(t, own) + reserved + 1 - max(0, self.free(t.cls))
+        position = self.ahead_of(t, own) + reserved + 1 - max(0, self.free(t.cls, t.tenant))
         if position <= 0:
             return 0.0
         if self.running:
@@ -169,6 +197,10 @@ class PoolQueue:
 
     def offer(self, t: Ticket, now: float) -> Decision:
         """Admit, queue or shed a new ticket. Admitted and queued ones hold a place until released."""
+        self._now = now
+        if self.last_seen.get(t.tenant) is None:
+            self._active = (math.nan, 0.0)  # a new active tenant: the shares change
+        self.last_seen[t.tenant] = now
         held = self._take_reservation(t.key, now)
         budget = self.budget(t, now)
         # A returning request is behind only the places promised before its own; a new one is behind
@@ -215,7 +247,7 @@ class PoolQueue:
         full_budget = max(0.0, t.deadline - t.arrival - self.capacity.est_ttft())
         if rate:
             # + 2 dispatch intervals of margin: a retry told the exact boundary would miss half the time.
-            behind_all = self.ahead_of(t) + round(self.return_rate * len(self.reservations)) + 4 - max(0, self.free(t.cls))
+            behind_all = self.ahead_of(t) + round(self.return_rate * len(self.reservations)) + 4 - max(0, self.free(t.cls, t.tenant))
             retry = max(0.0, behind_all / rate - QUEUE_SAFETY * full_budget)
         else:
             retry = 1.0
@@ -285,6 +317,7 @@ class PoolQueue:
         t.inflight_at_admit = self.inflight
         self.inflight += 1
         self.inflight_cls[t.cls] += 1
+        self.inflight_tenant[t.tenant] = self.inflight_tenant.get(t.tenant, 0) + 1
         self.running.add(t)
         self.admitted_total += 1
         w = self.weight_of(t.tenant)
@@ -296,11 +329,12 @@ class PoolQueue:
             if not cls_q or self.free(cls) <= 0:
                 continue
             # The least-served tenant goes next; on a tie (a tenant just lifted level with the backlog),
-            # the shorter backlog: a quiet tenant does not wait behind a heavy one's queue.
+            # the shorter backlog: a quiet tenant does not wait behind a heavy one's queue. A tenant over
+            # its fair share waits while only the headroom kept for the others is free.
             best, best_key = None, None
             for tenant, q in cls_q.items():
                 key = (self.counters.get(tenant, 0.0), len(q))
-                if q and (best is None or key < best_key):
+                if q and (best is None or key < best_key) and (not self.tenant_headroom or self.free(cls, tenant) > 0):
                     best, best_key = tenant, key
             if best is not None:
                 q = cls_q[best]
@@ -313,6 +347,7 @@ class PoolQueue:
 
     def pump(self, now: float) -> list[Ticket]:
         """Dispatch queued tickets into free slots; returns those admitted now."""
+        self._now = now
         out = []
         while (t := self._pop_next()) is not None:
             self._admit(t, now)
@@ -332,6 +367,7 @@ class PoolQueue:
         """Queued tickets at their latest start: admitted when the limit allows it with ``OVERSHOOT``
         (the queue promised them a start: a limit cut since must not turn that into a late 429), shed
         otherwise. Returns them (look at ``state``)."""
+        self._now = now
         out = [t for cls_q in self.queues for q in cls_q.values() for t in q if self.latest_start(t) <= now]
         for t in out:
             if self._overshoot_ok(t):
@@ -379,8 +415,14 @@ class PoolQueue:
         if t.state != "admitted":
             return []
         t.state = "released"
+        self._now = now
         self.inflight -= 1
         self.inflight_cls[t.cls] -= 1
+        n = self.inflight_tenant.get(t.tenant, 0) - 1
+        if n > 0:
+            self.inflight_tenant[t.tenant] = n
+        else:
+            self.inflight_tenant.pop(t.tenant, None)
         self.running.discard(t)
         if actual_tokens is not None:
             w = self.weight_of(t.tenant)
