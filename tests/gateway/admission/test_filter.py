@@ -348,7 +348,7 @@ def test_the_class_goes_to_vllm_as_priority_only_where_the_replicas_schedule_by_
     sent = asyncio.run(go())
     assert f.queues["p"].capacity.priority_scheduling is (policy == "priority")  # the fill limit's signal follows
     if policy == "priority":
-        assert [c.body["priority"] for c in sent] == [0, 1, 2]  # the gateway's class replaces the client's -5
+        assert [c.body["priority"] for c in sent] == [0, 2, 4]  # 2 x the class replaces the client's -5
         assert all(c.raw is None for c in sent)  # re-encoded by the forwarder
     else:
         assert "priority" not in sent[0].body and sent[1].body["priority"] == -5 and sent[0].raw is not None

@@ -124,6 +124,22 @@ def test_a_tenant_over_its_fair_share_leaves_headroom_so_a_quiet_tenant_is_admit
     assert q.offer(late, 100.0).kind == "admit" and q.inflight == 20
 
 
+def test_vllm_priority_puts_tenants_under_their_share_first_within_a_class():
+    q = make_queue(limit=10, service_s=1.0)
+    q.tenant_headroom = 0.1
+    alone = ticket(0.0, "a")
+    q.offer(alone, 0.0)
+    b = ticket(0.0, "b")
+    q.offer(b, 0.0)  # two tenants active: a share of 5 each
+    a_more = [ticket(0.0, "a", deadline_s=100) for _ in range(5)]
+    for t in a_more:
+        q.offer(t, 0.0)
+    b_batch = ticket(0.0, "b", cls=1, deadline_s=100)
+    q.offer(b_batch, 0.0)
+    assert [t.engine_priority for t in (alone, b, *a_more)] == [0, 0, 0, 0, 0, 0, 1]  # a's 6th: over its 5
+    assert b_batch.state == "admitted" and b_batch.engine_priority == 2
+
+
 def test_vtc_shares_tokens_by_weight_and_lifts_returning_tenant():
     q = make_queue(limit=1, service_s=0.01)
     q.weight_of = lambda t: 2.0 if t == "big" else 1.0

@@ -2,9 +2,9 @@
 
 Per request: read the priority (``x-usefulwork-priority``, else the tenant's default; 400 for an
 unknown one), check the tenant's rpm / tpm / budget (429), then offer it to its pool's queue
-(usefulwork/gateway/admission/queue.py). Admitted: call ``next`` (with the class as vLLM's ``priority``
-when the pool's replicas run ``--scheduling-policy priority``). Queued: wait until a slot frees or
-the deadline passes. Shed: answer 429 with an OpenAI-style body, ``retry-after`` / ``retry-after-ms``
+(usefulwork/gateway/admission/queue.py). Admitted: call ``next`` (with the class, and whether the tenant
+is over its fair share, as vLLM's ``priority`` when the pool's replicas run ``--scheduling-policy
+priority``). Queued: wait until a slot frees or the deadline passes. Shed: answer 429 with an OpenAI-style body, ``retry-after`` / ``retry-after-ms``
 and ``x-usefulwork-shed-reason``, at arrival whenever the prediction already says the deadline
 cannot be met. A tenant whose policy allows it is degraded (``max_tokens`` capped, or sent to a
 cheaper pool) instead of shed.
@@ -199,8 +199,9 @@ class AdmissionFilter:
                 ctx.admission = ctx.admission or "admit"
             ctx.queue_ms = (t.admitted_at - t.arrival) * 1000.0
             if call.pool is not None and call.pool.cfg.scheduling_policy == "priority":
-                # The class goes into vLLM's own queue too (the gateway owns it: a client's value is replaced).
-                call.set_body({**call.body, "priority": t.cls})
+                # The class goes into vLLM's own queue too, with tenants under their fair share first within
+                # it (the gateway owns the value: a client's is replaced).
+                call.set_body({**call.body, "priority": t.engine_priority})
             if self._wait_hist is not None:
                 self._wait_hist.record(t.admitted_at - t.arrival, {"pool": queue.name, "priority": p})
             reply = await next(call)

@@ -69,12 +69,19 @@ class Ticket:
     admitted_at: float | None = None
     inflight_at_admit: int = 0
     charged: float = 0.0  # weighted tokens charged to the tenant's counter so far
+    over_share: bool = False  # its tenant held its fair share of the SLO limit when it was admitted
     waiter: Any = None  # the filter's future, resolved when the ticket is admitted or shed
     shed_reason: str | None = None
 
     @property
     def priority(self) -> str:
         return PRIORITIES[self.cls]
+
+    @property
+    def engine_priority(self) -> int:
+        """vLLM's ``priority`` (lower first): by class, and within a class a tenant under its fair share
+        before one over it (vLLM's queue then shares like the gateway's)."""
+        return 2 * self.cls + self.over_share
 
 
 @dataclass(slots=True)
@@ -312,6 +319,8 @@ class PoolQueue:
         return any(c.get(tenant) for c in self.queues)
 
     def _admit(self, t: Ticket, now: float) -> None:
+        if self.tenant_headroom:
+            t.over_share = self.over_share(t.tenant, self.capacity.current())
         t.state = "admitted"
         t.admitted_at = now
         t.inflight_at_admit = self.inflight
