@@ -128,8 +128,13 @@ class PoolQueue:
         already holding its fair share leaves ``tenant_headroom`` of the SLO limit free for the others."""
         slo, fill = self.capacity.limits()
         headroom = 0
-        if tenant is not None and self.tenant_headroom and self.over_share(tenant, slo):
-            headroom = max(1, math.ceil(slo * self.tenant_headroom))
+        if tenant is not None and self.tenant_headroom:
+            state = self.share_state(tenant, slo)
+            if state:
+                # over its share: leave the headroom free; under it (among several): it may use the
+                # headroom beyond the limit too, so a limit just cut (the pool draining to it) or a full
+                # pool does not make it wait for the heavy tenant's work to drain
+                headroom = state * max(1, math.ceil(slo * self.tenant_headroom))
         if cls == 0:
             return slo - headroom - self.inflight_cls[0]
         reserve = max(1, math.ceil(slo * self.reserve_fraction)) if self.reserve_fraction else 0
@@ -138,6 +143,11 @@ class PoolQueue:
     def over_share(self, tenant: str, slo: int) -> bool:
         """``tenant`` holds at least its weighted share of the SLO limit among the tenants active in the
         last ``tenant_active_s`` (a lone tenant never does: its share is the whole pool)."""
+        return self.share_state(tenant, slo) == 1
+
+    def share_state(self, tenant: str, slo: int) -> int:
+        """1: ``tenant`` holds at least its weighted share of the SLO limit among the tenants active in
+        the last ``tenant_active_s``; -1: it holds less, and others are active; 0: it is alone."""
         now = self._now
         if not now - self._active[0] < 1.0:  # recomputed at most once a second (and when a tenant appears)
             horizon = now - self.tenant_active_s
@@ -150,8 +160,8 @@ class PoolQueue:
         if tenant not in self.last_seen:
             total += w
         if total <= w:
-            return False
-        return self.inflight_tenant.get(tenant, 0) >= slo * w / total
+            return 0
+        return 1 if self.inflight_tenant.get(tenant, 0) >= slo * w / total else -1
 
     def drain_rate(self, cls: int) -> float | None:
         rate = self.capacity.drain_rate()
