@@ -87,8 +87,32 @@ class GPU(_Strict):
     """The hardware a pool runs on and what it costs."""
 
     type: str = Field("cpu", description="GPU type (free text; the simulator catalog names A10G, L4, A100-80G, ...).")
-    count: int = Field(1, ge=1, description="Total GPUs behind this pool, all replicas together (pool cost = count x usd_per_hour).")
+    count: int = Field(1, ge=1, description="Total GPUs behind this pool, all replicas together (pool cost = count x "
+                       "usd_per_hour). Ignored when per_replica is set.")
     usd_per_hour: float = Field(0.0, ge=0, description="Price of ONE GPU per hour.")
+    per_replica: int | None = Field(None, ge=1, description="GPUs per replica: the pool's bill follows the replicas "
+                                    "it has at each moment (per_replica x usd_per_hour x replicas), as an autoscaled pool "
+                                    "with `discovery` pays; unset: a fixed bill of count GPUs.")
+
+
+class Discovery(_Strict):
+    """Replicas found at run time (docs/deploy.md, per-pod routing): one source, polled every interval_s."""
+
+    dns: str | None = Field(None, description="Host name whose addresses are the replicas, each reached as "
+                            "scheme://ADDRESS:port: a Kubernetes headless Service (clusterIP: None) answers with "
+                            "one address per pod. A failed lookup keeps the replicas last found.")
+    file: str | None = Field(None, description="A file of replica base URLs, one per line (# comments), re-read "
+                             "every interval_s (a mounted ConfigMap, or one a deploy tool writes). A missing or "
+                             "unreadable file keeps the replicas last found; an empty one means none.")
+    port: int = Field(8000, ge=1, le=65535, description="dns: the replicas' port.")
+    scheme: Literal["http", "https"] = Field("http", description="dns: the replicas' scheme.")
+    interval_s: float = Field(5.0, gt=0, description="How often the source is read again.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "Discovery":
+        if (self.dns is None) == (self.file is None):
+            raise ValueError("give exactly one of dns or file")
+        return self
 
 
 class Prices(_Strict):
@@ -102,7 +126,10 @@ class Prices(_Strict):
 class Pool(_Strict):
     name: str = Field(..., min_length=1, description="Pool name (labels metrics, ledger, costs).")
     models: list[str] = Field(..., min_length=1, description="Model names this pool serves (as clients send them).")
-    replicas: list[str] = Field(..., min_length=1, description="Base URLs of vLLM OpenAI servers, e.g. http://h:8000")
+    replicas: list[str] = Field(default_factory=list, description="Base URLs of vLLM OpenAI servers, e.g. "
+                                "http://h:8000 (static; `discovery` adds the ones found at run time).")
+    discovery: Discovery | None = Field(None, description="Find the replicas at run time (a headless Service's DNS "
+                                        "name, or a file): per-pod routing behind Kubernetes.")
     gpu: GPU = GPU()
     prices: Prices = Prices()
     api_key: str | None = Field(None, description="Bearer key the replicas expect (vLLM --api-key).")
@@ -115,23 +142,38 @@ class Pool(_Strict):
     @field_validator("replicas")
     @classmethod
     def _urls(cls, v: list[str]) -> list[str]:
-        out = []
-        for url in v:
-            scheme, sep, rest = url.partition("://")
-            netloc = rest.split("/", 1)[0]
-            if "@" in netloc:  # never echo the secret: not here, not in /readyz, /metrics or logs
-                shown = f"{scheme}{sep}***@{netloc.rsplit('@', 1)[1]}"
-                raise ValueError(f"replica URL {shown!r} carries credentials (user:password@); they would show "
-                                 "wherever replicas are listed. Remove them and give vLLM's key as the pool's "
-                                 "api_key (sent as Authorization: Bearer)")
-            if not (url.startswith("http://") or url.startswith("https://")):
-                raise ValueError(f"replica URL must start with http:// or https://, got {url!r}")
-            out.append(url.rstrip("/").removesuffix("/v1"))
-        return out
+        return [replica_url(url) for url in v]
+
+    @model_validator(mode="after")
+    def _some_replicas(self) -> "Pool":
+        if not self.replicas and self.discovery is None:
+            raise ValueError(f"pool {self.name!r}: give replicas, discovery, or both")
+        return self
 
     @property
     def usd_per_hour(self) -> float:
+        """The pool's bill per hour as configured (per_replica: for its static replicas)."""
+        return self.usd_per_hour_for(len(self.replicas))
+
+    def usd_per_hour_for(self, replicas: int) -> float:
+        """The bill per hour with ``replicas`` replicas (the same for any count unless gpu.per_replica is set)."""
+        if self.gpu.per_replica is not None:
+            return self.gpu.per_replica * self.gpu.usd_per_hour * replicas
         return self.gpu.count * self.gpu.usd_per_hour
+
+
+def replica_url(url: str) -> str:
+    """A replica's base URL, checked (http/https, no credentials) and normalized (no trailing / or /v1)."""
+    scheme, sep, rest = url.partition("://")
+    netloc = rest.split("/", 1)[0]
+    if "@" in netloc:  # never echo the secret: not here, not in /readyz, /metrics or logs
+        shown = f"{scheme}{sep}***@{netloc.rsplit('@', 1)[1]}"
+        raise ValueError(f"replica URL {shown!r} carries credentials (user:password@); they would show "
+                         "wherever replicas are listed. Remove them and give vLLM's key as the pool's "
+                         "api_key (sent as Authorization: Bearer)")
+    if not (url.startswith("http://") or url.startswith("https://")):
+        raise ValueError(f"replica URL must start with http:// or https://, got {url!r}")
+    return url.rstrip("/").removesuffix("/v1")
 
 
 class LocalFleet(_Strict):

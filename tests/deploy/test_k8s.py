@@ -125,8 +125,11 @@ def test_gateway_configmap_loads_with_the_gateway_loader(tmp_path):
     pool = cfg.pools[0]
     vllm = find("Deployment", "vllm-llama-8b")
     assert vllm["metadata"]["labels"]["usefulwork.dev/pool"] == pool.name
-    svc = find("Service", "vllm-llama-8b")
-    assert pool.replicas == [f"http://{svc['metadata']['name']}:{svc['spec']['ports'][0]['port']}"]
+    pods = find("Service", "vllm-llama-8b-pods")  # per-pod routing: the headless Service's name
+    assert pods["spec"]["clusterIP"] == "None" and pods["spec"]["selector"] == vllm["spec"]["selector"]["matchLabels"]
+    assert pool.discovery.dns == pods["metadata"]["name"] and pool.discovery.port == pods["spec"]["ports"][0]["port"]
+    assert pool.replicas == [] and pool.gpu.per_replica == 1  # the bill follows the pods
+    assert cfg.scale_out.redis_url.startswith("redis://redis:6379/")
     args = vllm["spec"]["template"]["spec"]["containers"][0]["args"]
     assert f"--served-model-name={pool.models[0]}" in args
     redis = find("Service", "redis")

@@ -101,6 +101,32 @@ async def test_simulator_events_make_predictions_match_cached_tokens(sims):
     await p.stop()
 
 
+async def test_a_discovered_replica_is_subscribed_on_kv_events_port_and_dropped_when_it_leaves(sims):
+    """Replicas found by discovery have no kv_events_endpoints entry: kv_events_port names their publisher."""
+    (s1, e1) = sims[1]
+    p = PrecisePrefixPicker(PickerCfg(kind="precise-prefix", block_tokens=16, kv_events_port=int(e1.rsplit(":", 1)[1])),
+                            tokenizer=load_tokenizer(None))
+    p.start()
+    r = Replica(s1.base_url, "p", healthy=True, discovered=True)
+    p.replicas_changed([r], [])
+    assert p.endpoints == {s1.base_url: e1}
+    await asyncio.sleep(0.3)  # ZMQ slow joiner
+    async with httpx.AsyncClient(timeout=30) as client:
+        fresh = {"model": "llama", "max_tokens": 4, "messages": [  # blocks no earlier test stored (chained from root)
+            {"role": "user", "content": " ".join(f"Pod {i} joined the pool at step {i * 7}." for i in range(40))}]}
+        await client.post(f"{s1.base_url}/v1/chat/completions", json=fresh)
+    for _ in range(50):
+        if p.index.get(s1.base_url) and p.index[s1.base_url].blocks:
+            break
+        await asyncio.sleep(0.05)
+    assert p.index[s1.base_url].blocks
+    task = p._tasks[s1.base_url]
+    p.replicas_changed([], [r])
+    await asyncio.sleep(0)
+    assert s1.base_url not in p.index and s1.base_url not in p.endpoints and task.done()
+    await p.stop()
+
+
 async def test_real_vllm_events_predict_its_cached_tokens(vllm_server):
     """The real vLLM (CPU build) publishing its KV-cache events: the wire format decodes, the block size
     is taken from the events (CPU vLLM stores 128-token blocks; block_tokens is left at its default 16),

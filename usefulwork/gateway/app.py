@@ -139,6 +139,8 @@ def build_app(cfg: Config, client: httpx.AsyncClient | None = None) -> HotPaths:
             name: {
                 "healthy": len(p.healthy_replicas()),
                 "replicas": [{"url": r.url, "healthy": r.healthy, "reason": r.down_reason} for r in p.replicas],
+                **({"discovery": {"source": p.source.describe(), "failed_reads_in_a_row": p.discovery_errors,
+                                  "last_read": p.discovered_at or None}} if p.source is not None else {}),
             }
             for name, p in fleet.pools.items()
         }

@@ -107,6 +107,9 @@ class PickerCfg(_Strict):
                                                 "wildcard or ipc endpoint (its --kv-events-config endpoint "
                                                 "tcp://*:5557 is reached here as tcp://HOST:5557). block_tokens "
                                                 "follows the block size the events carry.")
+    kv_events_port: int | None = Field(None, ge=1, le=65535, description="precise-prefix for replicas found by "
+                                       "`discovery` (or not listed in kv_events_endpoints): subscribe to "
+                                       "tcp://REPLICA_HOST:kv_events_port (vLLM --kv-events-config endpoint tcp://*:PORT).")
 
 
 class RoutingCfg(_Strict):

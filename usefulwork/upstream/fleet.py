@@ -4,6 +4,11 @@ Other steps read this state (routers, admission, accounting); only this module w
 background loop probes ``/health`` and scrapes ``/metrics`` every ``timeouts.health_interval_s``.
 The proxy reports failures (``mark_down``) so a dead replica leaves rotation at once instead of at
 the next probe; a down replica is re-probed after ``retry_after_down_s`` and comes back on success.
+
+A pool with ``discovery`` has its replicas found at run time (upstream/discovery.py): one loop per
+such pool reads its source and ``reconcile`` adds and removes replicas. ``PoolState.replicas`` is
+replaced, never changed in place, so a reader holding the old list iterates a consistent one.
+Listeners (``on_change``: the pickers' per-replica state, the GPU bill) hear of every change.
 """
 
 from __future__ import annotations
@@ -12,12 +17,14 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import httpx
 
 from usefulwork.upstream.http1 import UpstreamPool
 from usefulwork.config import Config, Pool
 from usefulwork.tasks import cancel_and_wait
+from usefulwork.upstream.discovery import Source, build_source
 
 log = logging.getLogger("usefulwork.fleet")
 
@@ -52,6 +59,8 @@ class Replica:
     block_size: float = 0.0
     last_scrape: float = 0.0
     http: UpstreamPool | None = None  # the data-path connection pool (set by Fleet)
+    discovered: bool = False  # found by the pool's discovery source (else listed in the config)
+    removed: bool = False  # no longer in its pool (discovery dropped it); in-flight requests finish
 
     @property
     def load(self) -> float:
@@ -90,6 +99,9 @@ class PoolState:
     cfg: Pool
     replicas: list[Replica]
     started_at: float = field(default_factory=time.time)
+    source: Source | None = None  # discovery (None: the configured replicas only)
+    discovery_errors: int = 0  # failed reads of the source in a row (the replicas last found are kept)
+    discovered_at: float = 0.0  # wall time of the last successful read
 
     @property
     def name(self) -> str:
@@ -143,14 +155,22 @@ class Fleet:
         self.client = client or httpx.AsyncClient(timeout=httpx.Timeout(5.0))
         self._own_client = client is None
         self.pools: dict[str, PoolState] = {
-            p.name: PoolState(p, [Replica(url, p.name) for url in p.replicas]) for p in cfg.pools
+            p.name: PoolState(p, [self._replica(url, p.name) for url in p.replicas],
+                              source=build_source(p.discovery) if p.discovery is not None else None)
+            for p in cfg.pools
         }
         self._by_model: dict[str, PoolState] = {m: self.pools[p.name] for p in cfg.pools for m in p.models}
-        t = cfg.timeouts
-        for r in self.replicas:
-            r.http = UpstreamPool(r.url, connect_timeout=t.connect_s, read_timeout=t.read_s,
-                                   header_timeout=t.first_byte_s, max_body_bytes=cfg.limits.max_upstream_body_bytes)
+        self.listeners: list[Callable[[PoolState, list[Replica], list[Replica]], None]] = []
         self._task: asyncio.Task | None = None
+        self._discovery_tasks: list[asyncio.Task] = []
+        self._probes: set[asyncio.Task] = set()  # first probes of replicas discovery just added
+
+    def _replica(self, url: str, pool: str, discovered: bool = False) -> Replica:
+        t = self.cfg.timeouts
+        r = Replica(url, pool, discovered=discovered)
+        r.http = UpstreamPool(url, connect_timeout=t.connect_s, read_timeout=t.read_s,
+                              header_timeout=t.first_byte_s, max_body_bytes=self.cfg.limits.max_upstream_body_bytes)
+        return r
 
     # -- reads --
     def pool_for_model(self, model: str) -> PoolState | None:
@@ -200,6 +220,72 @@ class Fleet:
         replica.consecutive_failures = 0
         replica.down_until = 0.0
 
+    def on_change(self, listener: Callable[[PoolState, list[Replica], list[Replica]], None]) -> None:
+        """Call ``listener(pool, added, removed)`` after every change of a pool's replicas."""
+        self.listeners.append(listener)
+
+    # -- discovery --
+    def reconcile(self, pool: PoolState, urls: list[str]) -> tuple[list[Replica], list[Replica]]:
+        """Make the pool's discovered replicas exactly ``urls`` (configured ones always stay).
+
+        A new replica is unhealthy until its first probe (started here) passes, so it takes no
+        traffic before vLLM answers ``/health``. A removed one leaves the pick at once; its idle
+        connections close now and its busy ones when their requests end.
+        """
+        static = {r.url for r in pool.replicas if not r.discovered}
+        want = [u for u in dict.fromkeys(urls) if u not in static]
+        have = {r.url: r for r in pool.replicas if r.discovered}
+        added = [self._replica(u, pool.name, discovered=True) for u in want if u not in have]
+        keep = set(want)
+        removed = [r for u, r in have.items() if u not in keep]
+        if not (added or removed):
+            return added, removed
+        gone = {r.url for r in removed}
+        pool.replicas = [r for r in pool.replicas if r.url not in gone] + added
+        for r in removed:
+            r.removed = True
+            r.healthy = False
+            r.down_reason = "removed by discovery"
+            r.http.retire()
+        log.info("pool %s: %d replica(s) (+%d %s, -%d %s)", pool.name, len(pool.replicas), len(added),
+                 ", ".join(r.url for r in added) or "", len(removed), ", ".join(r.url for r in removed) or "")
+        for listener in self.listeners:
+            try:
+                listener(pool, added, removed)
+            except Exception:  # one listener's fault must not stop discovery or the others
+                log.exception("fleet listener failed")
+        for r in added:
+            task = asyncio.get_running_loop().create_task(self.probe(r), name=f"probe {r.url}")
+            self._probes.add(task)
+            task.add_done_callback(self._probes.discard)
+        return added, removed
+
+    async def discover_once(self, pool: PoolState) -> bool:
+        """Read the pool's source once and reconcile; on failure keep the replicas (False)."""
+        try:
+            urls = await asyncio.wait_for(pool.source.urls(), max(pool.cfg.discovery.interval_s, 1.0))
+        except Exception as exc:  # resolver, file or parse error: keep what we have
+            pool.discovery_errors += 1
+            if pool.discovery_errors == 1 or pool.discovery_errors % 60 == 0:
+                log.warning("pool %s: discovery (%s) failed %d time(s) in a row, keeping its %d replica(s): %s",
+                            pool.name, pool.source.describe(), pool.discovery_errors, len(pool.replicas),
+                            f"{type(exc).__name__}: {exc}")
+            return False
+        if pool.discovery_errors:
+            log.info("pool %s: discovery (%s) works again", pool.name, pool.source.describe())
+        pool.discovery_errors = 0
+        pool.discovered_at = time.time()
+        self.reconcile(pool, urls)
+        return True
+
+    async def _discover_loop(self, pool: PoolState) -> None:
+        while True:
+            await asyncio.sleep(pool.cfg.discovery.interval_s)
+            try:
+                await self.discover_once(pool)
+            except Exception:  # never let discovery die
+                log.exception("pool %s: discovery loop error", pool.name)
+
     # -- probing --
     async def probe(self, replica: Replica) -> bool:
         if not replica.healthy and replica.ever_healthy and time.monotonic() < replica.down_until:
@@ -212,6 +298,8 @@ class Fleet:
             reason = f"health check failed: {type(exc).__name__}"
         else:
             reason = f"health check returned {r.status_code}"
+        if replica.removed:
+            return False  # discovery dropped it while the probe ran
         if not ok:
             self.mark_down(replica, reason)
             return False
@@ -238,10 +326,16 @@ class Fleet:
             await asyncio.sleep(self.cfg.timeouts.health_interval_s)
 
     async def start(self) -> None:
+        discovered = [p for p in self.pools.values() if p.source is not None]
+        await asyncio.gather(*(self.discover_once(p) for p in discovered))
         await self.check_once()
         self._task = asyncio.create_task(self._loop(), name="fleet-prober")
+        self._discovery_tasks = [asyncio.create_task(self._discover_loop(p), name=f"discovery {p.name}")
+                                 for p in discovered]
 
     async def stop(self) -> None:
+        for t in [*self._discovery_tasks, *self._probes]:
+            await cancel_and_wait(t)
         await cancel_and_wait(self._task)
         for r in self.replicas:
             r.http.close()

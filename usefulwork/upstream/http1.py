@@ -281,6 +281,7 @@ class UpstreamPool:
         self.idle_s = idle_s
         self._idle: list[_Conn] = []
         self._all: set[_Conn] = set()
+        self.retired = False  # see retire()
         self._ssl = ssl.create_default_context() if self.tls else None
 
     async def _connect(self) -> _Conn:
@@ -296,7 +297,7 @@ class UpstreamPool:
         return conn
 
     def _release(self, conn: _Conn) -> None:
-        if len(self._idle) < self.max_idle:
+        if len(self._idle) < self.max_idle and not self.retired:
             conn.idle_since = time.monotonic()
             self._idle.append(conn)
         else:
@@ -339,6 +340,13 @@ class UpstreamPool:
                 resp.close()  # timeout or cancellation: abort so the upstream stops working on it
                 raise
         raise AssertionError("unreachable")
+
+    def retire(self) -> None:
+        """The replica left its pool: close the idle connections now, each busy one when its response ends."""
+        self.retired = True
+        for conn in self._idle:
+            conn.abort()
+        self._idle.clear()
 
     def close(self) -> None:
         for conn in list(self._all):

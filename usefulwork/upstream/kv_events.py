@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from usefulwork.upstream.pickers import BlockIndex, PrefixPicker
 
@@ -36,14 +37,15 @@ class PrecisePrefixPicker(PrefixPicker):
     def __init__(self, cfg: PickerCfg, tokenizer: Any = None, meter: Any = None):
         if tokenizer is None:
             raise ValueError("tokenizer: the precise-prefix picker needs the pool's tokenizer (model folder)")
-        if not cfg.kv_events_endpoints:
-            raise ValueError("kv_events_endpoints: the precise-prefix picker needs one endpoint per replica")
+        if not cfg.kv_events_endpoints and cfg.kv_events_port is None:
+            raise ValueError("kv_events_endpoints: the precise-prefix picker needs one endpoint per replica "
+                             "(or kv_events_port, for replicas found by discovery)")
         super().__init__(cfg, tokenizer, meter)
         self.endpoints = dict(cfg.kv_events_endpoints)
         self.ours: dict[str, dict[Any, int]] = {url: {} for url in self.endpoints}  # server hash -> our hash
         self.events = 0
         self.unchained = 0  # stored blocks whose parent was never seen (events missed): not indexed
-        self._tasks: list[asyncio.Task] | None = None
+        self._tasks: dict[str, asyncio.Task] | None = None  # replica URL -> its subscriber (once started)
 
     def _index(self, url: str) -> BlockIndex:
         idx = self.index.get(url)
@@ -116,14 +118,39 @@ class PrecisePrefixPicker(PrefixPicker):
 
     def start(self) -> None:
         if self._tasks is None:
-            loop = asyncio.get_running_loop()
-            self._tasks = [loop.create_task(self._subscribe(u, e), name=f"kv-events {u}")
-                           for u, e in self.endpoints.items()]
+            self._tasks = {}
+            for u, e in self.endpoints.items():
+                self._start_one(u, e)
+
+    def _start_one(self, url: str, endpoint: str) -> None:
+        self._tasks[url] = asyncio.get_running_loop().create_task(self._subscribe(url, endpoint), name=f"kv-events {url}")
+
+    def replicas_changed(self, added: list[Replica], removed: list[Replica]) -> None:
+        """Discovery: subscribe to a new replica's publisher (kv_events_port), drop a removed one's."""
+        for r in removed:
+            self.index.pop(r.url, None)
+            self.ours.pop(r.url, None)
+            task = (self._tasks or {}).pop(r.url, None)
+            if task is not None:
+                task.cancel()
+            if self.cfg.kv_events_port is not None:
+                self.endpoints.pop(r.url, None)
+        if self.cfg.kv_events_port is None:
+            return
+        for r in added:
+            if r.url in self.endpoints:
+                continue
+            host = urlsplit(r.url).hostname or ""
+            endpoint = self.endpoints[r.url] = f"tcp://{f'[{host}]' if ':' in host else host}:{self.cfg.kv_events_port}"
+            self.ours[r.url] = {}
+            if self._tasks is not None:
+                self._start_one(r.url, endpoint)
 
     async def stop(self) -> None:
-        for t in self._tasks or ():
+        tasks = list((self._tasks or {}).values())
+        for t in tasks:
             t.cancel()
-        for t in self._tasks or ():
+        for t in tasks:
             try:
                 await t
             except (asyncio.CancelledError, Exception):

@@ -223,6 +223,11 @@ class PrefixPicker:
             idx = self.index[url] = BlockIndex(self.cfg.index_blocks)
         return idx
 
+    def replicas_changed(self, added: list[Replica], removed: list[Replica]) -> None:
+        """A replica discovery removed takes its index with it (a pod that comes back starts cold)."""
+        for r in removed:
+            self.index.pop(r.url, None)
+
     def hashes(self, call: Call) -> list[int]:
         h = call.memo.get(HASHES_MEMO)
         if h is None:
@@ -378,5 +383,16 @@ def build_picker(cfg: PickerCfg, meter: Any = None) -> Picker:
 
 
 def build_pickers(cfg: Config, fleet: Fleet, meter: Any = None) -> dict[str, Picker]:
-    """One picker per pool (the forwarder asks ``pickers[pool.name]``), as ``routing.pickers`` says."""
-    return {name: build_picker(cfg.routing.picker_for(name), meter) for name in fleet.pools}
+    """One picker per pool (the forwarder asks ``pickers[pool.name]``), as ``routing.pickers`` says.
+
+    A picker with per-replica state (``replicas_changed``) hears of every replica discovery adds or removes.
+    """
+    pickers = {name: build_picker(cfg.routing.picker_for(name), meter) for name in fleet.pools}
+
+    def changed(pool: Any, added: list[Replica], removed: list[Replica]) -> None:
+        hook = getattr(pickers.get(pool.name), "replicas_changed", None)
+        if hook is not None:
+            hook(added, removed)
+
+    fleet.on_change(changed)
+    return pickers

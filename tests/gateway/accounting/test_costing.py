@@ -123,3 +123,29 @@ def test_conservation_attributed_plus_idle_equals_fleet_cost(seed):
     assert meters["spare"].idle_usd == pytest.approx(meters["spare"].rate * (end - meters["spare"].started_at))
     assert all(s.pending == 0 for s in shares)
     assert all(s.usd >= 0 for s in shares)
+
+
+def test_the_bill_follows_rate_changes_inside_intervals_and_stays_conserved():
+    """gpu.per_replica under discovery: the rate changes at any moment (also mid-interval); each interval
+    costs the integral of the rate over it, and attributed + idle == that bill."""
+    rng = random.Random(4)
+    t0 = 1_700_000_000.0
+    m = PoolMeter("p", usd_per_hour=3.6, started_at=t0, interval_s=1.0)
+    changes = [(t0 + 10.5, 7.2), (t0 + 10.5, 10.8), (t0 + 30.25, 3.6), (t0 + 29.0, 0.0)]  # a tie; one "earlier"
+    for t, usd_h in changes:
+        m.set_rate(t, usd_h)
+    # 3.6 $/h until 10.5, 10.8 until 30.25 (the 7.2 lasted no time), then 0 (the late change is put at 30.25)
+    expected = lambda a, b: sum(r / 3600 * max(0.0, min(b, hi) - max(a, lo))  # noqa: E731
+                                for lo, hi, r in [(t0, t0 + 10.5, 3.6), (t0 + 10.5, t0 + 30.25, 10.8),
+                                                  (t0 + 30.25, t0 + 1e9, 0.0)])
+    assert m.cost_between(t0 + 10, t0 + 11) == pytest.approx(expected(t0 + 10, t0 + 11), abs=1e-12)
+    assert m.cost_between(t0, t0 + 40) == pytest.approx(expected(t0, t0 + 40), abs=1e-12)
+    shares = []
+    for i in range(400):
+        a = t0 + rng.uniform(0, 38)
+        s = Share(i, "t")
+        m.book(s, [(a, a + rng.uniform(0, 2), rng.uniform(0, 10))])
+        shares.append(s)
+    m.settle(t0 + 20)
+    m.settle_all(t0 + 40.3)
+    assert sum(s.usd for s in shares) + m.idle_usd == pytest.approx(expected(t0, t0 + 40.3), abs=1e-9)

@@ -7,6 +7,7 @@ import asyncio
 import random
 import uuid
 
+import pytest
 import redis
 
 from usefulwork.config import ScaleOut
@@ -17,7 +18,11 @@ DT = 0.5
 RATE = 3.6  # $/h
 
 
-def test_three_meters_conserve_with_late_work_and_leaving_gateways(redis_url):
+@pytest.mark.parametrize("scaling", [False, True], ids=["fixed-bill", "bill-follows-replicas"])
+def test_three_meters_conserve_with_late_work_and_leaving_gateways(redis_url, scaling):
+    """``scaling``: the pool's bill changes twice (gpu.per_replica under discovery), and each gateway sees
+    each change at a different moment (its own discovery poll), so their meters disagree on some
+    intervals' bill: the gateway that settles an interval decides it, and every gateway pays from it."""
     prefix = f"usefulwork:test14b:{uuid.uuid4().hex[:8]}"
     rng = random.Random(7)
 
@@ -33,6 +38,9 @@ def test_three_meters_conserve_with_late_work_and_leaving_gateways(redis_url):
         now = t0
         for step in range(60):
             now += DT * rng.uniform(0.3, 1.5)
+            if scaling and step in (15, 35):  # 1 -> 3 replicas, then 3 -> 2: seen up to 1.3 intervals apart
+                for i, m in enumerate(meters):
+                    m.set_rate(now + i * DT * 0.65, RATE * (3 if step == 15 else 2))
             for i, (b, m) in enumerate(zip(books, meters)):
                 if (i == 2 and step >= 40) or (i == 1 and step > 30):
                     continue  # 2 goes silent (its floor expires after gateway_ttl_s of Redis time); 1 has left
@@ -69,7 +77,10 @@ def test_three_meters_conserve_with_late_work_and_leaving_gateways(redis_url):
     paid = sum(s.usd for s in shares)
     assert abs(raw["attributed_usd"] + raw["idle_usd"] - raw["cost_usd"]) < 1e-6, raw
     assert abs(paid - raw["attributed_usd"]) < 1e-6
-    assert abs(raw["cost_usd"] - raw["settled_k"] * DT * RATE / 3600) < 1e-9
+    if scaling:  # each interval billed at one of the rates in force around it, whole
+        assert raw["settled_k"] * DT * RATE / 3600 * 1.3 < raw["cost_usd"] < raw["settled_k"] * DT * 3 * RATE / 3600
+    else:
+        assert abs(raw["cost_usd"] - raw["settled_k"] * DT * RATE / 3600) < 1e-9
     assert raw["idle_usd"] > 0 and paid > 0
     assert sum(m.attributed_usd for m in meters) == paid or abs(sum(m.attributed_usd for m in meters) - paid) < 1e-9
 

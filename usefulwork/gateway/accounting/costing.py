@@ -83,7 +83,9 @@ class PoolMeter:
 
     def __init__(self, name: str, usd_per_hour: float, started_at: float, interval_s: float):
         self.name = name
-        self.rate = usd_per_hour / 3600.0  # $ per second
+        self.rate = usd_per_hour / 3600.0  # $ per second, now (see set_rate)
+        self._rate0 = self.rate  # the rate before the first change below
+        self._changes: list[tuple[float, float]] = []  # (wall time, $ per second from then on), ascending
         self.started_at = started_at
         self.dt = interval_s
         self._open: dict[int, _Interval] = {}
@@ -114,7 +116,36 @@ class PoolMeter:
         a = max(a, self.started_at)
         if self.closed_at is not None:
             b = min(b, self.closed_at)
-        return self.rate * (b - a) if b > a else 0.0
+        return self.usd_between(a, b)
+
+    # -- the bill's rate (gpu.per_replica: it follows the pool's replicas) --
+    def set_rate(self, t: float, usd_per_hour: float) -> None:
+        """From wall time ``t`` on, the pool costs ``usd_per_hour`` (a change is never put before an earlier one)."""
+        rate = usd_per_hour / 3600.0
+        if rate == self.rate:
+            return
+        if self._changes:
+            t = max(t, self._changes[-1][0])
+        self._changes.append((t, rate))
+        self.rate = rate
+        horizon = self._t(self.settled_k) - 86_400.0  # settled a day ago: only windows' look-backs read older
+        while len(self._changes) > 1 and self._changes[1][0] <= horizon:
+            self._rate0 = self._changes.pop(0)[1]
+
+    def usd_between(self, a: float, b: float) -> float:
+        """The bill over [a, b] at the rates in force then."""
+        if b <= a:
+            return 0.0
+        rate, lo, total = self._rate0, a, 0.0
+        for t, after in self._changes:
+            if t <= lo:
+                rate = after
+                continue
+            if t >= b:
+                break
+            total += rate * (t - lo)
+            lo, rate = t, after
+        return total + rate * (b - lo)
 
     # -- booking --
     def book(self, share: Share, spans: Iterable[tuple[float, float, float]]) -> None:
@@ -193,7 +224,7 @@ class PoolMeter:
         return out
 
     def _close(self, k: int, start: float, end: float, ivs: list[_Interval]) -> Settled:
-        usd = self.rate * (end - start)
+        usd = self.usd_between(start, end)
         work = sum(iv.work for iv in ivs)
         by_tenant: dict[str, float] = {}
         idle = 0.0
@@ -224,12 +255,21 @@ class PoolMeter:
         for k, share, w in entries:
             self._fold(max(k, k_min), share, w, counted=True)
 
-    def settle_shared(self, k_new: int, fleet_w: dict[int, float], idle_ks: list[int]) -> list[Settled]:
-        """Settle local intervals before the fleet's ``k_new``: each share gets ``usd x w / W_k`` with the
-        fleet's total work ``W_k``; ``idle_ks`` are the idle intervals this gateway settled for the fleet."""
+    def settle_shared(self, k_new: int, fleet_w: dict[int, float], idle_ks: list[int],
+                      fleet_usd: dict[int, float] | None = None) -> list[Settled]:
+        """Settle local intervals before the fleet's ``k_new``: each share gets ``usd_k x w / W_k`` with the
+        fleet's total work ``W_k`` and bill ``usd_k`` (as the gateway that settled k billed it; this meter's
+        own rate where the fleet's figure was pruned); ``idle_ks`` are the idle intervals this gateway
+        settled for the fleet."""
         out: list[Settled] = []
-        usd = self.rate * self.dt
+        fleet_usd = fleet_usd or {}
+
+        def bill(k: int) -> float:
+            usd = fleet_usd.get(k)
+            return usd if usd is not None else self.usd_between(self._t(k), self._t(k + 1))
+
         for k in sorted(j for j in self._open if j < k_new):
+            usd = bill(k)
             iv = self._open.pop(k)
             total = fleet_w.get(k) or iv.work  # a pruned total (a gateway stuck for an hour): local work only
             by_tenant: dict[str, float] = {}
@@ -243,6 +283,7 @@ class PoolMeter:
             self.attributed_usd += paid
             out.append(Settled(self.name, self._t(k), self._t(k + 1), paid, 0.0, by_tenant))
         for k in idle_ks:
+            usd = bill(k)
             self.idle_usd += usd
             out.append(Settled(self.name, self._t(k), self._t(k + 1), usd, usd, {}))
         self.settled_k = max(self.settled_k, k_new)
@@ -266,7 +307,7 @@ class PoolMeter:
             s, e = max(lo, self._t(k)), min(b, self._t(k + 1))
             if e <= s:
                 continue
-            usd = self.rate * (e - s)
+            usd = self.usd_between(s, e)
             iv = self._open.get(k)
             total = iv.work if iv is not None else 0.0
             if self.pending is not None:  # shared books: the fleet's work decides idle and shares

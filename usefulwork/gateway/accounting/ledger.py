@@ -29,7 +29,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from typing import Callable
+from typing import Any, Callable
 
 import orjson
 
@@ -124,8 +124,9 @@ class Ledger:
         # how long settlement may wait for running requests (the bound on a record's delay)
         self.settle_hold_s = cfg.ledger.max_hold_s if settle_hold_s is None else settle_hold_s
         self.meters = meters if meters is not None else {
-            name: PoolMeter(name, ps.cfg.usd_per_hour, ps.started_at, cfg.cost.interval_s)
+            name: PoolMeter(name, ps.cfg.usd_per_hour_for(len(ps.replicas)), ps.started_at, cfg.cost.interval_s)
             for name, ps in fleet.pools.items()}
+        fleet.on_change(self._replicas_changed)
         self.stats = Stats(self.meters)
         self.telemetry = telemetry
         self.estimator = estimator or TokenEstimator()
@@ -147,7 +148,15 @@ class Ledger:
         self.shared: SharedBooks | None = None  # several gateways as one (scale_out.redis_url; accounting/shared.py)
         self._publisher: asyncio.Task | None = None
 
+    def _replicas_changed(self, pool: Any, added: list, removed: list) -> None:
+        """gpu.per_replica: the pool's bill follows its replicas from now on (a replica costs from the moment
+        the gateway sees it until discovery drops it, healthy or not: a starting pod is billed too)."""
+        meter = self.meters.get(pool.name)
+        if meter is not None:
+            meter.set_rate(self.clock(), pool.cfg.usd_per_hour_for(len(pool.replicas)))
+
     # -- the hot path: O(1), never blocks --
+
     def begin(self, ctx: RequestContext) -> None:
         """Optional: a request started. Lets settlement wait exactly for the oldest running request."""
         self._tracks_starts = True

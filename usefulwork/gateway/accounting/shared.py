@@ -40,13 +40,19 @@ log = logging.getLogger("usefulwork.shared")
 PRUNE_INTERVALS = 3600  # settled totals kept this many intervals (a gateway later than that pays by its own work)
 
 # KEYS: work hash, floors hash, seen hash, books hash, epoch key
-# ARGV: gid, floor (-1: leave), force (-1: none), usd per interval, ttl_s, attributed delta,
-#       n deltas, (k, w) x n, wanted ks...
+# ARGV: gid, floor (-1: leave), force (-1: none), u0, ttl_s, attributed delta,
+#       n deltas, (k, w) x n, nu, usd of intervals u0 .. u0 + nu - 1 (this gateway's bill), wanted ks...
+# The work hash also keeps each settled interval's bill as field "u<k>": whoever settles k decides it
+# (from its own view of the pool's replicas), and every gateway pays its requests from that figure.
 _SYNC = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 local gid, floor, force = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local usd, ttl, paid, n = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6], tonumber(ARGV[7])
+local u0, ttl, paid, n = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6], tonumber(ARGV[7])
+local nu = tonumber(ARGV[8 + 2 * n])
+local function bill(k)  -- as given (a string: stored exactly as the gateway wrote it)
+  return ARGV[9 + 2 * n + math.max(0, math.min(k - u0, nu - 1))]
+end
 redis.call('EXPIRE', KEYS[5], math.ceil(ttl * 2))
 local k0 = tonumber(redis.call('HGET', KEYS[4], 'settled_k') or '0')
 local kmax = -1
@@ -83,13 +89,15 @@ local idle = {}
 if target ~= nil and target > k0 then
   local cost, idl = 0, 0
   for k = k0, target - 1 do
+    local usd = tonumber(bill(k))
     cost = cost + usd
+    redis.call('HSET', KEYS[1], 'u' .. k, bill(k))
     local w = tonumber(redis.call('HGET', KEYS[1], tostring(k)) or '0')
     if w <= 0 then
       idl = idl + usd
       idle[#idle + 1] = k
     end
-    if k - PRUNE >= 0 then redis.call('HDEL', KEYS[1], tostring(k - PRUNE)) end
+    if k - PRUNE >= 0 then redis.call('HDEL', KEYS[1], tostring(k - PRUNE), 'u' .. (k - PRUNE)) end
   end
   redis.call('HINCRBYFLOAT', KEYS[4], 'cost_usd', cost)
   redis.call('HINCRBYFLOAT', KEYS[4], 'idle_usd', idl)
@@ -97,10 +105,16 @@ if target ~= nil and target > k0 then
   k1 = target
 end
 local w = {}
-for i = 8 + 2 * n, #ARGV do
+for i = 9 + 2 * n + nu, #ARGV do
   local k = tonumber(ARGV[i])
   w[#w + 1] = ARGV[i]
   w[#w + 1] = redis.call('HGET', KEYS[1], tostring(k)) or '0'
+  w[#w + 1] = redis.call('HGET', KEYS[1], 'u' .. k) or ''
+end
+for _, k in ipairs(idle) do
+  w[#w + 1] = tostring(k)
+  w[#w + 1] = '0'
+  w[#w + 1] = redis.call('HGET', KEYS[1], 'u' .. k) or ''
 end
 local books = redis.call('HMGET', KEYS[4], 'cost_usd', 'idle_usd', 'attributed_usd')
 return {k0, k1, idle, w, books}
@@ -163,10 +177,15 @@ class SharedBooks:
         force = -1 if force_t is None else max([m._k(force_t) + 1, *(k + 1 for k in m.open_ks()), *(k + 1 for k in deltas)])
         k_now = m._k(now if now is not None else time.time())
         wanted = sorted(set(m.open_ks()) | set(deltas) | set(range(m.settled_k, k_now + 1)))
-        args: list = [self.gid, floor, force, repr(m.rate * self.dt), self.cfg.gateway_ttl_s,
+        # this gateway's bill per interval, from where the fleet has surely settled (its last view of K)
+        k_hi = max(k_now, force, *wanted, m.settled_k)
+        u0 = max(m.settled_k, k_hi - PRUNE_INTERVALS)
+        bills = [m.usd_between(m._t(k), m._t(k + 1)) for k in range(u0, k_hi + 1)]
+        args: list = [self.gid, floor, force, u0, self.cfg.gateway_ttl_s,
                       repr(self._paid.get(m.name, 0.0)), len(deltas)]
         for k, w in deltas.items():
             args += [k, repr(w)]
+        args += [len(bills), *map(repr, bills)]
         args += wanted
         try:
             k0, k1, idle, w, books = await self._sync(keys=self._keys(m.name), args=args)
@@ -175,9 +194,10 @@ class SharedBooks:
             raise
         self._paid[m.name] = 0.0
         m.fold(entries, int(k0))
-        fleet_w = {int(w[i]): float(w[i + 1]) for i in range(0, len(w), 2)}
+        fleet_w = {int(w[i]): float(w[i + 1]) for i in range(0, len(w), 3)}
+        fleet_usd = {int(w[i]): float(w[i + 2]) for i in range(0, len(w), 3) if w[i + 2] not in (b"", "")}
         before = m.attributed_usd
-        out = m.settle_shared(int(k1), fleet_w, [int(k) for k in idle])
+        out = m.settle_shared(int(k1), fleet_w, [int(k) for k in idle], fleet_usd)
         self._paid[m.name] = m.attributed_usd - before
         m.fleet_books = {"settled_until": m._t(int(k1)), "cost_usd": float(books[0] or 0),
                          "idle_usd": float(books[1] or 0), "attributed_usd": float(books[2] or 0)}
