@@ -186,7 +186,7 @@ def _slo_and_price(args: argparse.Namespace):
 
         cfg = load(args.config)
         base = SLOSpec(ttft_ms=cfg.slo.ttft_ms, tpot_ms=cfg.slo.tpot_ms, e2e_ms=cfg.slo.e2e_ms)
-        usd = sum(p.usd_per_hour * len(p.replicas) for p in cfg.pools)
+        usd = sum(p.usd_per_hour for p in cfg.pools)  # usd_per_hour is already the whole pool's
     overrides = {k: v for k, v in {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms,
                                    "e2e_ms": args.slo_e2e_ms, "attainment": args.slo_attainment}.items()
                  if v is not None}
