@@ -87,6 +87,9 @@ def test_replicas_join_and_leave_under_traffic_and_the_bill_follows(sims, tmp_pa
         listing.write_text(f"{a.base_url}\n{b.base_url}\n")  # scale-out: b joins
         _wait(lambda: _healthy_urls(gw) == {a.base_url, b.base_url}, what="b to join and pass its probe")
         assert _usd_per_hour(gw) == pytest.approx(2 * USD_H)
+        metrics = httpx.get(gw.url + "/metrics", timeout=5).text
+        assert 'usefulwork_pool_replicas{pool="p"} 2.0' in metrics
+        assert 'usefulwork_pool_healthy_replicas{pool="p"} 2.0' in metrics
         with ThreadPoolExecutor(8) as ex:
             assert all(r.choices[0].message.content for r in ex.map(ask, range(1, 25)))
 
@@ -141,5 +144,8 @@ def test_dns_discovery_serves_through_the_resolved_address_and_an_unresolvable_n
                                                             "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
         assert r.status_code == 503 and r.json()["error"]["code"] == "no_replica"
         assert "discovery (dns no-such-vllm.invalid:8000) failed" in bad.log_text()
+        metrics = httpx.get(bad.url + "/metrics", timeout=5).text
+        assert 'usefulwork_pool_replicas{pool="p"} 0.0' in metrics
+        assert float(metrics.split('usefulwork_pool_discovery_failures{pool="p"} ')[1].split()[0]) >= 1
     finally:
         assert bad.stop() == 0

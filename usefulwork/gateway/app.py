@@ -60,6 +60,18 @@ def fleet_metrics_text(fleet: Fleet) -> str:
         lines.append(f"# TYPE {name} gauge")
         for r in fleet.replicas:
             lines.append(f'{name}{{pool="{r.pool}",replica="{r.url}"}} {float(get(r))}')
+    pool_gauges = (
+        ("usefulwork_pool_replicas", "Replicas in the pool (configured + found by discovery).", lambda p: len(p.replicas)),
+        ("usefulwork_pool_healthy_replicas", "Replicas that passed their last health probe.",
+         lambda p: len(p.healthy_replicas())),
+        ("usefulwork_pool_discovery_failures", "Failed reads of the pool's discovery source in a row (its "
+         "replicas last found are kept).", lambda p: p.discovery_errors),
+    )
+    for name, help_text, get in pool_gauges:
+        lines.append(f"# HELP {name} {help_text}")
+        lines.append(f"# TYPE {name} gauge")
+        for pname, p in fleet.pools.items():
+            lines.append(f'{name}{{pool="{pname}"}} {float(get(p))}')
     return "\n".join(lines) + "\n"
 
 

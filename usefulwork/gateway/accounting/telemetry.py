@@ -153,7 +153,8 @@ class Telemetry:
         ):
             self._sums[name] = self.fast_meter.create_counter(name, unit=unit, description=desc)
         m.create_observable_counter("usefulwork.gpu.cost.usd", callbacks=[self._gpu_cost], unit="{USD}",
-                                    description="Each pool's GPU cost since it came up (count x $/GPU-hour).")
+                                    description="Each pool's GPU cost since it came up (its GPUs x $/GPU-hour; "
+                                    "with gpu.per_replica, following its replicas).")
 
     def _add(self, name: str, value: float, attrs: tuple) -> None:
         self._sums[name].add_key(value, attrs)
