@@ -71,12 +71,16 @@ async def test_reconcile_adds_probes_and_removes_replicas_and_tells_the_listener
         await asyncio.sleep(0.2)  # that probe ran (nothing listens on port 2): still down
         assert not new.healthy and new.down_reason.startswith("health check failed")
         pickers["p"].index[new.url] = object()
+        lease = fleet.lease(new)  # a request still running on it when it is removed
         before = pool.replicas
         assert fleet.reconcile(pool, ["http://127.0.0.1:2"]) == ([], [])  # the static one is never removed
         fleet.reconcile(pool, [])
         assert [r.url for r in pool.replicas] == ["http://127.0.0.1:1"]
         assert len(before) == 2 and new.removed and new.http.retired and new.url not in pickers["p"].index
         assert seen == [(["http://127.0.0.1:2"], []), ([], ["http://127.0.0.1:2"])]
+        assert fleet.any_inflight()  # the ledger's settlement still waits for it
+        lease.release()
+        assert not fleet.any_inflight()
     finally:
         await fleet.stop()
 

@@ -164,6 +164,7 @@ class Fleet:
         self._task: asyncio.Task | None = None
         self._discovery_tasks: list[asyncio.Task] = []
         self._probes: set[asyncio.Task] = set()  # first probes of replicas discovery just added
+        self._draining: set[Replica] = set()  # removed by discovery with requests still running on them
 
     def _replica(self, url: str, pool: str, discovered: bool = False) -> Replica:
         t = self.cfg.timeouts
@@ -179,6 +180,11 @@ class Fleet:
     @property
     def replicas(self) -> list[Replica]:
         return [r for p in self.pools.values() for r in p.replicas]
+
+    def any_inflight(self) -> bool:
+        """Some request of this gateway is outstanding on a replica (also one discovery removed since)."""
+        self._draining = {r for r in self._draining if r.inflight > 0}
+        return bool(self._draining) or any(r.inflight > 0 for r in self.replicas)
 
     def ready(self) -> bool:
         """Every serving pool has at least one healthy replica (a shadow pool only mirrors: it never gates)."""
@@ -247,6 +253,8 @@ class Fleet:
             r.healthy = False
             r.down_reason = "removed by discovery"
             r.http.retire()
+            if r.inflight > 0:
+                self._draining.add(r)
         log.info("pool %s: %d replica(s) (+%d %s, -%d %s)", pool.name, len(pool.replicas), len(added),
                  ", ".join(r.url for r in added) or "", len(removed), ", ".join(r.url for r in removed) or "")
         for listener in self.listeners:

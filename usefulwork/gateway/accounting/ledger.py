@@ -323,7 +323,7 @@ class Ledger:
             # Without start reports: nothing on any replica means nothing running can still book
             # work (the gateway counts a request on its replica from before it is sent until after
             # its response ended), so settle up to now; otherwise hold back settle_hold_s.
-            busy = any(r.inflight > 0 for r in self.fleet.replicas)
+            busy = self.fleet.any_inflight()
             return max(min(now - (hold if busy else grace), queued), now - hold)
         # GPU work starts when a request is forwarded: one still sending its body holds nothing back
         oldest = min((c.wall_start + (c.t_forwarded - c.t_start) for c in self._inflight.values()
