@@ -93,6 +93,26 @@ async def test_ttl_expiry_and_lru_eviction(redis_url, ns):
         await f.stop()
 
 
+async def test_lru_order_holds_for_uses_within_one_millisecond(redis_url, ns):
+    """Uses were scored by wall-clock ms: puts and touches in the same ms tied, and ZPOPMIN then evicted
+    by key order, now and then the entry just written (test_ttl_expiry_and_lru_eviction failed about
+    one run in two on a quiet machine). Redis's own sequence orders them; ten partitions, no sleeps."""
+    f = CacheFilter(cfg=cfg(redis_url, ns, max_entries_per_partition=2, semantic=SemanticCfg(enabled=False)))
+    await f.start()
+    try:
+        up = FakeUpstream()
+        for i in range(10):
+            tenant = f"t{i}"
+            for q in ("a", "b", "a", "c"):  # the third use of a touches it; c evicts b
+                await ask(f, up, make_call(q, tenant=tenant))
+            got = [(await ask(f, up, make_call(q, tenant=tenant)))[0].header(b"x-usefulwork-cache") for q in "ca"]
+            assert got == [b"hit-exact", b"hit-exact"], (tenant, got)
+            assert (await ask(f, up, make_call("b", tenant=tenant)))[0].header(b"x-usefulwork-cache") == b"miss"
+        assert f.store.evicted == 20  # b in each partition, then the c or a that b's return pushed out
+    finally:
+        await f.stop()
+
+
 async def test_purge_on_one_replica_empties_the_others_index(redis_url, ns):
     a, b = CacheFilter(cfg=cfg(redis_url, ns)), CacheFilter(cfg=cfg(redis_url, ns))
     await a.start()

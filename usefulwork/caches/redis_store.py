@@ -3,13 +3,16 @@
 Keys (``ns`` = ``cache.namespace``)::
 
     {ns}:e:{key}         the entry (JSON), expires ttl_s after it was written       GET / SET PX
-    {ns}:lru:{part}      the partition's keys scored by last use (ms)                ZADD / ZPOPMIN
+    {ns}:lru:{part}      the partition's keys scored by last use (a sequence)       ZADD / ZPOPMIN
+    {ns}:seq             the use sequence (INCR in the scripts)                      INCR
     {ns}:v:{part}        the partition's vectors (float32 bytes) by key              rebuild at start
     {ns}:parts           partition -> tenant and model                               purge, rebuild
     {ns}:log             stream of add / del / purge events (with vectors)           replicas follow it
 
-A lookup is one round trip (GET the entry + ZADD XX its use time, one script), by key: nothing
-scans keys. Lookups go over a pipelined connection of their own (``usefulwork.caches.redis_lookup``:
+A lookup is one round trip (GET the entry + ZADD XX its use, one script), by key: nothing
+scans keys. A use is scored by a sequence Redis itself counts, not by a clock: within one
+millisecond (a whole test, or a busy second's burst) wall-clock scores tied, and ZPOPMIN then evicted
+by key order, sometimes the entry just written; gateways' clocks also differ. Lookups go over a pipelined connection of their own (``usefulwork.caches.redis_lookup``:
 why by hand is said there); everything else through redis-py.
 A write is one Lua script: store the entry, its vector and its use time, then pop the partition's
 least recently used beyond ``max_entries_per_partition`` and log every change. Each replica keeps
@@ -24,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 import numpy as np
 import redis.asyncio as aioredis
@@ -46,30 +48,30 @@ _SEP = "\x1f"
 # pipeline costs redis-py about 40% more client CPU per lookup; docs/benchmarks.md section 9).
 _GET = """
 local v = redis.call('GET', KEYS[1])
-if v then redis.call('ZADD', KEYS[2], 'XX', ARGV[1], ARGV[2]) end
+if v then redis.call('ZADD', KEYS[2], 'XX', redis.call('INCR', KEYS[3]), ARGV[1]) end
 return v
 """
 
 _PUT = """
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[4])
 if ARGV[3] ~= '' then redis.call('HSET', KEYS[2], ARGV[1], ARGV[3]) end
-redis.call('ZADD', KEYS[3], ARGV[5], ARGV[1])
-redis.call('HSET', KEYS[4], ARGV[7], ARGV[8])
+redis.call('ZADD', KEYS[3], redis.call('INCR', KEYS[6]), ARGV[1])
+redis.call('HSET', KEYS[4], ARGV[6], ARGV[7])
 redis.call('PEXPIRE', KEYS[2], ARGV[4])
 redis.call('PEXPIRE', KEYS[3], ARGV[4])
-local over = redis.call('ZCARD', KEYS[3]) - tonumber(ARGV[6])
+local over = redis.call('ZCARD', KEYS[3]) - tonumber(ARGV[5])
 local n = 0
 if over > 0 then
   local popped = redis.call('ZPOPMIN', KEYS[3], over)
   for i = 1, #popped, 2 do
     local m = popped[i]
-    redis.call('DEL', ARGV[9] .. m)
+    redis.call('DEL', ARGV[8] .. m)
     redis.call('HDEL', KEYS[2], m)
-    redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[10], '*', 'op', 'del', 'p', ARGV[7], 'k', m)
+    redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[9], '*', 'op', 'del', 'p', ARGV[6], 'k', m)
     n = n + 1
   end
 end
-redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[10], '*', 'op', 'add', 'p', ARGV[7], 'k', ARGV[1], 'v', ARGV[3])
+redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[9], '*', 'op', 'add', 'p', ARGV[6], 'k', ARGV[1], 'v', ARGV[3])
 return n
 """
 
@@ -108,12 +110,16 @@ class RedisStore:
                            if "host" in u and not u.get("connection_class") else None)
         self._chan: LookupChannel | None = None
         self._chan_opening: asyncio.Future | None = None
-        self._get_head = b"*7\r\n$7\r\nEVALSHA\r\n$40\r\n" + self._get.sha.encode() + b"\r\n$1\r\n2\r\n"
+        self._get_head = b"*7\r\n$7\r\nEVALSHA\r\n$40\r\n" + self._get.sha.encode() + b"\r\n$1\r\n3\r\n"
         self._tail: asyncio.Task | None = None
         self._stopping = False
         self._last_id = "0-0"
         self.evicted = 0
         self.synced = 0  # events applied from the log
+
+    @property
+    def _seq(self) -> str:
+        return f"{self.ns}:seq"
 
     def _k(self, kind: str, name: str = "") -> str:
         return f"{self.ns}:{kind}:{name}" if name else f"{self.ns}:{kind}"
@@ -126,17 +132,16 @@ class RedisStore:
         fails the lookup, and the request bypasses the cache). docs/benchmarks.md section 9.
         """
         ek, lk = self._k("e", key), self._k("lru", partition)
-        now = int(time.time() * 1000)
         if self._chan_args is None:
-            raw = await self._get(keys=[ek, lk], args=[now, key])
+            raw = await self._get(keys=[ek, lk, self._seq], args=[key])
         else:
-            args = (ek.encode(), lk.encode(), str(now).encode(), key.encode())
+            args = (ek.encode(), lk.encode(), self._seq.encode(), key.encode())
             cmd = self._get_head + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
             try:
                 async with asyncio.timeout(self.cfg.redis_timeout_s):
                     raw = await (await self._channel()).send(cmd)
             except NoScriptError:  # Redis restarted (its script cache is empty): the Script loads it again
-                raw = await self._get(keys=[ek, lk], args=[now, key])
+                raw = await self._get(keys=[ek, lk, self._seq], args=[key])
             except TimeoutError:  # a reply may still come: start afresh (those still waiting fail over)
                 if self._chan is not None:
                     self._chan.close()
@@ -162,8 +167,8 @@ class RedisStore:
         vec = b"" if entry.vector is None else np.asarray(entry.vector, dtype=np.float32).tobytes()
         evicted = await self._put(
             keys=[self._k("e", entry.key), self._k("v", entry.partition), self._k("lru", entry.partition),
-                  self._k("parts"), self._k("log")],
-            args=[entry.key, entry.to_bytes(), vec, self.ttl_ms, int(time.time() * 1000),
+                  self._k("parts"), self._k("log"), self._seq],
+            args=[entry.key, entry.to_bytes(), vec, self.ttl_ms,
                   self.cfg.max_entries_per_partition, entry.partition, entry.tenant + _SEP + entry.model,
                   self._k("e") + ":", LOG_MAXLEN])
         self.evicted += int(evicted)
