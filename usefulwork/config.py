@@ -106,6 +106,9 @@ class Discovery(_Strict):
                              "unreadable file keeps the replicas last found; an empty one means none.")
     port: int = Field(8000, ge=1, le=65535, description="dns: the replicas' port.")
     scheme: Literal["http", "https"] = Field("http", description="dns: the replicas' scheme.")
+    family: Literal["any", "ipv4", "ipv6"] = Field("any", description="dns: which addresses count. A dual-stack "
+                                                   "Service answers with an IPv4 and an IPv6 address per pod: pick "
+                                                   "one family there, or each pod counts twice (and is billed twice).")
     interval_s: float = Field(5.0, gt=0, description="How often the source is read again.")
 
     @model_validator(mode="after")

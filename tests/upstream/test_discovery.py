@@ -18,6 +18,10 @@ async def test_dns_source_reads_every_address_through_the_system_resolver():
     assert "http://127.0.0.1:8123" in await src.urls()
     v6 = DnsSource(Discovery(dns="::1", port=9000, scheme="https"))  # numeric: getaddrinfo answers it as given
     assert await v6.urls() == ["https://[::1]:9000"]
+    v4_only = DnsSource(Discovery(dns="localhost", port=8123, family="ipv4"))  # dual-stack: one address per pod
+    assert all(":" not in u.split("//")[1].rsplit(":", 1)[0] for u in await v4_only.urls())
+    with pytest.raises(socket.gaierror):
+        await DnsSource(Discovery(dns="127.0.0.1", family="ipv6")).urls()  # an IPv4 literal has no IPv6 address
 
 
 async def test_dns_source_raises_for_a_name_that_does_not_resolve():

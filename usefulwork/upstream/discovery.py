@@ -45,12 +45,14 @@ class DnsSource:
         self.host = cfg.dns or ""
         self.port = cfg.port
         self.scheme = cfg.scheme
+        self.family = {"any": socket.AF_UNSPEC, "ipv4": socket.AF_INET, "ipv6": socket.AF_INET6}[cfg.family]
 
     def describe(self) -> str:
         return f"dns {self.host}:{self.port}"
 
     async def urls(self) -> list[str]:
-        infos = await asyncio.get_running_loop().getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+        infos = await asyncio.get_running_loop().getaddrinfo(self.host, self.port, family=self.family,
+                                                             type=socket.SOCK_STREAM)
         addresses = sorted({info[4][0] for info in infos}, key=_address_key)
         return [self.url(a) for a in addresses]
 
