@@ -1,13 +1,15 @@
 """Approximate vs precise prefix routing: share of prompt tokens served from the prefix cache.
 
-    python benchmarks/prefix_cached_share.py [--replicas 2] [--json FILE]
+    python benchmarks/prefix_cached_share.py [--backend sim|vllm] [--replicas 2] [--json FILE]
 
-The issue asks for this on two real local vLLM replicas (CPU). The development machine has two
-shared cores and one shared vLLM, so two more real servers cannot run here; this script uses two
-simulated servers of the `cpu` profile (SmolLM2-135M as vLLM runs it on this CPU: block size 128,
-the real tokenizer and chat template) with their KV caches cut so that the workload's prefixes
-about fill the two caches together. The simulators publish vLLM's KV-cache events, so the precise
-picker runs for real. Each picker routes the same seeded request sequence (shared-prefix groups,
+The issue asks for this on two real local vLLM replicas (CPU). ``--backend vllm`` starts them: the
+CPU build serving SmolLM2-135M, each publishing its KV-cache events on an ipc socket, its KV cache
+cut to ``--blocks`` blocks of 128 tokens, started once; between cells each server's prefix cache is
+emptied through vLLM's ``POST /reset_prefix_cache`` (dev mode), so every picker starts cold.
+``--backend sim`` (the default, seconds instead of minutes) uses simulated servers of the `cpu`
+profile (SmolLM2-135M as vLLM runs it on this CPU: block size 128, the real tokenizer and chat
+template), which publish the same events. Either way the workload's prefixes about fill the two
+caches together and the precise picker runs for real. Each picker routes the same seeded request sequence (shared-prefix groups,
 chat, a common system prompt per group), one request at a time per client, 4 clients; every
 request's ``cached_tokens`` is what the server reported. The offline oracle computed from the
 requests: each group's first request misses, every later one finds its whole prefix (block-rounded),
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import tempfile
 import time
@@ -26,6 +29,8 @@ from pathlib import Path
 
 import httpx
 
+from usefulwork.backends.local import LocalVLLM
+from usefulwork.backends.model import ensure_model
 from usefulwork.backends.sim.process import SimProcess
 from usefulwork.gateway.context import RequestContext
 from usefulwork.gateway.pipeline import Call
@@ -54,10 +59,11 @@ def workload(groups: int, per_group: int, prefix_words: int, seed: int = 0) -> l
     return out
 
 
-async def run_cell(picker, replicas: list[Replica], reqs: list[tuple[int, dict]], clients: int) -> dict:
+async def run_cell(picker, replicas: list[Replica], reqs: list[tuple[int, dict]], clients: int,
+                   timeout_s: float = 120) -> dict:
     queue = list(reversed(reqs))
     prompt = cached = 0
-    async with httpx.AsyncClient(timeout=120) as http:
+    async with httpx.AsyncClient(timeout=timeout_s) as http:
         async def client() -> None:
             nonlocal prompt, cached
             while queue:
@@ -81,7 +87,18 @@ async def run_cell(picker, replicas: list[Replica], reqs: list[tuple[int, dict]]
     if hasattr(picker, "stats"):
         st = picker.stats()
         out["self_check_accuracy"] = st["accuracy"]
+        out["self_check"] = {k: st[k] for k in ("checked", "over", "under", "predicted_tokens", "cached_tokens")
+                             if k in st}
     return out
+
+
+async def warm(servers: list) -> None:
+    """One short request per server, so a cell does not pay a cold server's first-request costs."""
+    async with httpx.AsyncClient(timeout=300) as http:
+        for srv in servers:
+            r = await http.post(f"{srv.base_url}/v1/chat/completions", json={
+                "model": "smollm2", "max_tokens": 2, "messages": [{"role": "user", "content": "warm up"}]})
+            r.raise_for_status()
 
 
 def oracle(reqs: list[tuple[int, dict]], tok, block: int) -> float:
@@ -101,19 +118,23 @@ def oracle(reqs: list[tuple[int, dict]], tok, block: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--backend", choices=("sim", "vllm"), default="sim",
+                    help="sim: simulated cpu-profile servers; vllm: real CPU vLLM servers (minutes to start)")
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--groups", type=int, default=40)
     ap.add_argument("--per-group", type=int, default=6)
     ap.add_argument("--prefix-words", type=int, default=1400)
-    ap.add_argument("--blocks", type=int, default=256, help="KV blocks per simulated server (128 tokens each)")
+    ap.add_argument("--blocks", type=int, default=256, help="KV blocks per server (128 tokens each)")
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--time-scale", type=float, default=20)
+    ap.add_argument("--cells", default=None, help="comma-separated pickers to run (default: all)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     reqs = workload(args.groups, args.per_group, args.prefix_words)
     tok = load_tokenizer("sim")
     logs = Path(tempfile.mkdtemp(prefix="prefix-share-"))
-    results: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "replicas": args.replicas,
+    results: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "backend": args.backend,
+                     "replicas": args.replicas,
                      "requests": len(reqs), "groups": args.groups,
                      "kv_tokens_per_replica": args.blocks * 128,
                      "prefix_demand_tokens": args.groups * len(tok.encode_chat(reqs[0][1]["messages"][:1], add_generation_prompt=False)),
@@ -126,40 +147,95 @@ def main() -> None:
         "precise": lambda eps: __import__("usefulwork.upstream.kv_events", fromlist=["x"]).PrecisePrefixPicker(
             PickerCfg(kind="precise-prefix", block_tokens=128, kv_events_endpoints=eps), tokenizer=tok),
     }
-    for name, make in makers.items():
-        sims, eps = [], {}
+    def start_servers(tag: str) -> tuple[list, dict[str, str]]:
+        servers, eps = [], {}
         for i in range(args.replicas):
-            zport = free_port()
-            sim = SimProcess(profile="cpu", served_name="smollm2", port=free_port(), time_scale=args.time_scale, seed=i,
-                             extra={"num_gpu_blocks_override": args.blocks, "kv_events_config": json.dumps(
-                                 {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{zport}"})},
-                             log_path=logs / f"{name}-{i}.log")
-            sims.append(sim)
-            eps[sim.base_url] = f"tcp://127.0.0.1:{zport}"
-        for s in sims:
-            s.start()
+            if args.backend == "vllm":
+                sock = f"ipc://{logs / f'kv-{i}.sock'}"  # vLLM binds ipc endpoints (tcp only on a wildcard host)
+                srv = LocalVLLM(model_dir=model_dir, served_name="smollm2", port=free_port(),
+                                extra_args=["--num-gpu-blocks-override", str(args.blocks),
+                                            "--kv-events-config", json.dumps(
+                                                {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": sock})],
+                                log_path=logs / f"vllm-{i}.log")
+                eps[srv.base_url] = sock
+            else:
+                zport = free_port()
+                srv = SimProcess(profile="cpu", served_name="smollm2", port=free_port(), time_scale=args.time_scale, seed=i,
+                                 extra={"num_gpu_blocks_override": args.blocks, "kv_events_config": json.dumps(
+                                     {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{zport}"})},
+                                 log_path=logs / f"{tag}-{i}.log")
+                eps[srv.base_url] = f"tcp://127.0.0.1:{zport}"
+            servers.append(srv)
+        for srv in servers:
+            srv.start()
         try:
-            for s in sims:
-                s.wait_ready(120)
-            picker = make(eps)
+            for srv in servers:
+                srv.wait_ready(900 if args.backend == "vllm" else 120)
+        except BaseException:
+            for srv in servers:
+                srv.stop()
+            raise
+        return servers, eps
 
-            async def cell() -> dict:
-                if hasattr(picker, "start"):
-                    picker.start()
-                    await asyncio.sleep(0.3)
-                res = await run_cell(picker, [Replica(s.base_url, "p", healthy=True) for s in sims], reqs, args.clients)
-                if hasattr(picker, "stop"):
-                    await picker.stop()
-                return res
+    def reset(servers: list) -> None:
+        """Empty each server's prefix cache; vLLM answers success=false while blocks are still held."""
+        for srv in servers:
+            for _ in range(30):
+                r = httpx.post(srv.base_url + "/reset_prefix_cache", timeout=60)
+                r.raise_for_status()
+                if r.json().get("success", True):
+                    break
+                time.sleep(1.0)
+            else:
+                raise RuntimeError(f"{srv.base_url}: the prefix cache could not be reset")
 
-            results["cells"][name] = asyncio.run(cell())
-            print(name, results["cells"][name], flush=True)
-        finally:
-            for s in sims:
+    if args.cells:
+        unknown = set(args.cells.split(",")) - set(makers)
+        if unknown:
+            ap.error(f"--cells: unknown {sorted(unknown)}; choose from {sorted(makers)}")
+        makers = {k: v for k, v in makers.items() if k in args.cells.split(",")}
+    shared = None
+    if args.backend == "vllm":
+        os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # exposes POST /reset_prefix_cache
+        model_dir = ensure_model()
+        shared = start_servers("vllm")
+        t0 = time.monotonic()
+        asyncio.run(warm(shared[0]))
+        results["warm_s"] = round(time.monotonic() - t0, 1)
+    try:
+        for name, make in makers.items():
+            servers, eps = shared if shared else start_servers(name)
+            try:
+                if shared:
+                    reset(servers)
+                picker = make(eps)
+
+                async def cell() -> dict:
+                    if hasattr(picker, "start"):
+                        picker.start()
+                        await asyncio.sleep(0.3)
+                    t = time.monotonic()
+                    res = await run_cell(picker, [Replica(s.base_url, "p", healthy=True) for s in servers], reqs,
+                                         args.clients, 900 if args.backend == "vllm" else 120)
+                    res["wall_s"] = round(time.monotonic() - t, 1)
+                    if hasattr(picker, "stop"):
+                        await picker.stop()
+                    return res
+
+                results["cells"][name] = asyncio.run(cell())
+                print(name, results["cells"][name], flush=True)
+            finally:
+                if not shared:
+                    for s in servers:
+                        s.stop()
+    finally:
+        if shared:
+            for s in shared[0]:
                 s.stop()
-    pc = results["cells"]["precise"]["cached_share"]
+    pc = results["cells"].get("precise", {}).get("cached_share")
     for k in ("approximate-chars", "approximate-tokens"):
-        results[f"{k}_vs_precise"] = round(results["cells"][k]["cached_share"] / pc, 4) if pc else None
+        if k in results["cells"] and pc:
+            results[f"{k}_vs_precise"] = round(results["cells"][k]["cached_share"] / pc, 4)
     print(json.dumps(results, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

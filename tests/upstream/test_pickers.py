@@ -135,6 +135,30 @@ def test_characters_mode_learns_tokens_per_block_from_cached_tokens():
     assert p.index[rs[0].url].capacity == p.cfg.index_blocks  # hits never shrink the index
 
 
+def test_an_index_shrunk_too_far_grows_back_when_the_server_caches_more_than_predicted():
+    # Seen on two real CPU vLLMs: a run of evictions ("over") shrank an index until it kept only the
+    # first blocks of each prefix; every later check was then "under" (the server held the whole
+    # prefix) and only hits grew the index back, so its predictions stayed short (self-check 0.17).
+    p = PrefixPicker(PickerCfg(kind="prefix", block_tokens=16, chars_per_token=4.0))
+    rs = replicas(1)
+    systems = [f"Team {g}. " + SYSTEM for g in range(6)]
+    for s in systems:
+        p.pick(call("warm", s), rs)
+    idx = p.index[rs[0].url]
+    full = len(p.hashes(call("x", systems[0])))
+    idx.shrink(2 * full / len(idx.blocks))  # room for about two prefixes of six
+    p.tokens_per_block = 16.0
+    for i in range(30):  # the server holds every prefix whole
+        s = systems[i % len(systems)]
+        c = call(f"q{i}", s)
+        p.pick(c, rs)
+        c.ctx.usage_source, c.ctx.cached_tokens = "backend", (full - 1) * 16
+        p.feedback(c, rs[0])
+    assert idx.capacity >= len(systems) * full
+    assert all(idx.matched(p.hashes(call("y", s))) >= full - 1 for s in systems)
+    assert p.under <= 8 and p.accuracy > 0.7
+
+
 def test_build_pickers_per_pool():
     cfg = config.from_mapping({
         "pools": [{"name": "a", "models": ["ma"], "replicas": ["http://127.0.0.1:1"]},

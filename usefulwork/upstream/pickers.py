@@ -182,6 +182,9 @@ class BlockIndex:
     def grow(self, factor: float) -> None:
         self.capacity = min(float(self.max_capacity), self.capacity * factor)
 
+    def grow_by(self, blocks: float) -> None:
+        self.capacity = min(float(self.max_capacity), self.capacity + blocks)
+
     def _trim(self) -> None:
         cap = int(self.capacity)
         blocks = self.blocks
@@ -292,8 +295,10 @@ class PrefixPicker:
         """Compare the prediction with the cached tokens vLLM reported; adapt the replica's index.
 
         Accurate: within one block or 25%. A clear miss (under half the predicted tokens were
-        cached) means the replica evicted what the index lists: its index shrinks. In characters
-        mode, hits also teach how many tokens a block of characters stands for.
+        cached) means the replica evicted what the index lists: its index shrinks. More cached than
+        predicted means the index forgot blocks the replica still holds (it had shrunk too far): it
+        grows by the blocks it missed, so a run of misses cannot leave it small for good. In
+        characters mode, hits also teach how many tokens a block of characters stands for.
         """
         memo = call.memo.get(PICK_MEMO)
         if memo is None or call.ctx.usage_source != "backend":
@@ -320,6 +325,9 @@ class PrefixPicker:
         elif actual > predicted + tolerance:
             outcome = "under"
             self.under += 1
+            idx = self.index.get(replica.url)
+            if idx is not None and self.learns_from_picks:
+                idx.grow_by((actual - predicted) / self.tokens_per_block)
         else:
             outcome = "accurate"
             self.accurate += 1
