@@ -136,9 +136,9 @@ def test_characters_mode_learns_tokens_per_block_from_cached_tokens():
 
 
 def test_an_index_shrunk_too_far_grows_back_when_the_server_caches_more_than_predicted():
-    # Seen on two real CPU vLLMs: a run of evictions ("over") shrank an index until it kept only the
-    # first blocks of each prefix; every later check was then "under" (the server held the whole
-    # prefix) and only hits grew the index back, so its predictions stayed short (self-check 0.17).
+    # A run of evictions ("over") can shrink an index until it keeps only the first blocks of each
+    # prefix; every later check is then "under" (the server holds the whole prefix), and if only
+    # accurate checks grow the index it never recovers (one run on two real CPU vLLMs read 0.17).
     p = PrefixPicker(PickerCfg(kind="prefix", block_tokens=16, chars_per_token=4.0))
     rs = replicas(1)
     systems = [f"Team {g}. " + SYSTEM for g in range(6)]
