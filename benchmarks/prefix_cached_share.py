@@ -63,6 +63,7 @@ async def run_cell(picker, replicas: list[Replica], reqs: list[tuple[int, dict]]
                    timeout_s: float = 120) -> dict:
     queue = list(reversed(reqs))
     prompt = cached = 0
+    per_replica: dict[str, int] = {}
     async with httpx.AsyncClient(timeout=timeout_s) as http:
         async def client() -> None:
             nonlocal prompt, cached
@@ -71,6 +72,7 @@ async def run_cell(picker, replicas: list[Replica], reqs: list[tuple[int, dict]]
                 c = Call(RequestContext(id="b", endpoint="chat", model="smollm2", stream=False), "chat",
                          b"/v1/chat/completions", body, None, None, [])
                 r = picker.pick(c, replicas)[0]
+                per_replica[r.url] = per_replica.get(r.url, 0) + 1
                 r.inflight += 1
                 try:
                     usage = (await http.post(f"{r.url}/v1/chat/completions", json=body)).json()["usage"]
@@ -83,7 +85,8 @@ async def run_cell(picker, replicas: list[Replica], reqs: list[tuple[int, dict]]
                 prompt += usage["prompt_tokens"]
                 cached += c.ctx.cached_tokens
         await asyncio.gather(*(client() for _ in range(clients)))
-    out = {"prompt_tokens": prompt, "cached_tokens": cached, "cached_share": round(cached / prompt, 4)}
+    out = {"prompt_tokens": prompt, "cached_tokens": cached, "cached_share": round(cached / prompt, 4),
+           "requests_per_replica": sorted(per_replica.values(), reverse=True)}
     if hasattr(picker, "stats"):
         st = picker.stats()
         out["self_check_accuracy"] = st["accuracy"]
