@@ -233,15 +233,15 @@ def bench_redis_exact(args, entry) -> dict:
             stores["hiredis"] = redis_py(_AsyncHiredisParser)
         s0 = next(iter(stores.values()))
         await s0.put(entry)
-        ek, lk = s0._k("e", entry.key), s0._k("lru", entry.partition)
+        ek, lk, sk = s0._k("e", entry.key), s0._k("lru", entry.partition), s0._seq
 
-        def packed() -> bytes:
-            a = (ek.encode(), lk.encode(), str(int(time.time() * 1000)).encode(), entry.key.encode())
+        def packed() -> bytes:  # the lookup script's arguments, as RedisStore.get sends them
+            a = (ek.encode(), lk.encode(), sk.encode(), entry.key.encode())
             return s0._get_head + b"".join(b"$%d\r\n%s\r\n" % (len(x), x) for x in a)
         variants = {"RedisStore.get (as shipped: the lookup channel)": lambda: s0.get(entry.partition, entry.key)}
         for name, s in stores.items():
             async def script(s=s):  # every variant parses the entry, as get does
-                return Entry.from_bytes(await s._get(keys=[ek, lk], args=[int(time.time() * 1000), entry.key]))
+                return Entry.from_bytes(await s._get(keys=[ek, lk, sk], args=[entry.key]))
             variants[f"redis-py Script through the pool (as before), {name}"] = script
             pool = s.r.connection_pool  # redis-py's Connection held by the caller, no pool, one asyncio.timeout
             conn = pool.connection_class(**{**pool.connection_kwargs, "socket_timeout": None})
