@@ -9,11 +9,11 @@ emptied through vLLM's ``POST /reset_prefix_cache`` (dev mode), so every picker 
 ``--backend sim`` (the default, seconds instead of minutes) uses simulated servers of the `cpu`
 profile (SmolLM2-135M as vLLM runs it on this CPU: block size 128, the real tokenizer and chat
 template), which publish the same events. Either way the workload's prefixes about fill the two
-caches together and the precise picker runs for real. Each picker routes the same seeded request sequence (shared-prefix groups,
-chat, a common system prompt per group), one request at a time per client, 4 clients; every
-request's ``cached_tokens`` is what the server reported. The offline oracle computed from the
-requests: each group's first request misses, every later one finds its whole prefix (block-rounded),
-i.e. an ideal router with enough cache.
+caches together and the precise picker runs for real. Each picker routes the same seeded request
+sequence (shared-prefix groups, chat, a common system prompt per group), one request at a time per
+client, 4 clients; every request's ``cached_tokens`` is what the server reported. The offline oracle
+computed from the requests: each group's first request misses, every later one finds its whole
+prefix (block-rounded), i.e. an ideal router with enough cache.
 """
 
 from __future__ import annotations
@@ -133,6 +133,7 @@ def main() -> None:
     ap.add_argument("--cells", default=None, help="comma-separated pickers to run (default: all)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    wait_s = 900 if args.backend == "vllm" else 120  # a real CPU vLLM: minutes to start, long prefill steps
     reqs = workload(args.groups, args.per_group, args.prefix_words)
     tok = load_tokenizer("sim")
     logs = Path(tempfile.mkdtemp(prefix="prefix-share-"))
@@ -173,7 +174,7 @@ def main() -> None:
             srv.start()
         try:
             for srv in servers:
-                srv.wait_ready(900 if args.backend == "vllm" else 120)
+                srv.wait_ready(wait_s)
         except BaseException:
             for srv in servers:
                 srv.stop()
@@ -193,10 +194,10 @@ def main() -> None:
                 raise RuntimeError(f"{srv.base_url}: the prefix cache could not be reset")
 
     if args.cells:
-        unknown = set(args.cells.split(",")) - set(makers)
-        if unknown:
-            ap.error(f"--cells: unknown {sorted(unknown)}; choose from {sorted(makers)}")
-        makers = {k: v for k, v in makers.items() if k in args.cells.split(",")}
+        wanted = set(args.cells.split(","))
+        if wanted - set(makers):
+            ap.error(f"--cells: unknown {sorted(wanted - set(makers))}; choose from {sorted(makers)}")
+        makers = {k: v for k, v in makers.items() if k in wanted}
     shared = None
     if args.backend == "vllm":
         os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # exposes POST /reset_prefix_cache
@@ -219,7 +220,7 @@ def main() -> None:
                         await asyncio.sleep(0.3)
                     t = time.monotonic()
                     res = await run_cell(picker, [Replica(s.base_url, "p", healthy=True) for s in servers], reqs,
-                                         args.clients, 900 if args.backend == "vllm" else 120)
+                                         args.clients, wait_s)
                     res["wall_s"] = round(time.monotonic() - t, 1)
                     if hasattr(picker, "stop"):
                         await picker.stop()
