@@ -98,7 +98,12 @@ class PickerCfg(_Strict):
     kv_weight: float = Field(0.5, ge=0, le=1000, description="prefix: score cost per unit of KV-cache usage.")
     balance_rel: float = Field(1.5, ge=1, le=100, description="prefix: a replica whose load exceeds balance_rel "
                                "x the pool's least load + balance_abs gets no prefix bonus (the hot-prefix spiral guard).")
-    balance_abs: float = Field(4.0, ge=0, le=10_000, description="prefix: see balance_rel (outstanding requests).")
+    balance_abs: float = Field(4.0, ge=0, le=10_000, description="prefix: see balance_rel (outstanding requests, "
+                               "and requests picked within balance_window_s).")
+    balance_window_s: float = Field(10.0, ge=0, le=3600, description="prefix: the guard also compares the requests "
+                                    "picked per replica over about this many seconds (a decayed count) with the same "
+                                    "balance_rel/balance_abs: at a low rate few requests are outstanding and only "
+                                    "the pick count shows a hot prefix held by some replicas. 0: outstanding only.")
     min_prefix_blocks: int = Field(1, ge=1, description="prefix: shorter predicted matches count as none.")
     session_header: str | None = Field(None, description="prefix: request header whose value pins a session "
                                        "to the replica it was last sent to (while that replica is a candidate).")

@@ -25,6 +25,11 @@ Pickers (``routing.pickers.<pool>.kind``, docs/routing.md):
   Guards: a replica whose load exceeds ``balance_rel x`` the least load ``+ balance_abs`` gets no
   cache bonus (the hot-prefix spiral: one popular prefix must not pile onto one replica; SGLang's
   cache-aware router uses the same kind of balance threshold), and optional session affinity.
+  The guard reads two loads: the outstanding requests (a burst, a slow replica) and the requests
+  picked over the last ``balance_window_s`` (an exponentially decayed count). At a low rate only a
+  few requests are ever outstanding, so the first never crosses ``balance_abs`` and one hot prefix
+  could hold three replicas while the fourth served only the cold prefixes; the pick count sees
+  that skew within a window.
   Self-check: ``feedback`` compares the predicted cached tokens with vLLM's ``cached_tokens``;
   over-predictions (the replica evicted what the index still lists) shrink that replica's index
   capacity, so stale entries age out faster; accurate ones let it grow back.
@@ -35,6 +40,8 @@ Pickers (``routing.pickers.<pool>.kind``, docs/routing.md):
 from __future__ import annotations
 
 import itertools
+import math
+import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -202,8 +209,11 @@ class PrefixPicker:
     name = "prefix"
     learns_from_picks = True  # the precise picker learns from KV events instead
 
-    def __init__(self, cfg: PickerCfg, tokenizer: Any = None, meter: Any = None):
+    def __init__(self, cfg: PickerCfg, tokenizer: Any = None, meter: Any = None, clock=time.monotonic):
         self.cfg = cfg
+        self.clock = clock
+        # requests picked per replica, decayed with time constant balance_window_s: url -> (count, at)
+        self.recent: dict[str, tuple[float, float]] = {}
         self.hasher = BlockHasher(cfg.block_tokens, cfg.chars_per_token, tokenizer)
         self.index: dict[str, BlockIndex] = {}
         self.sessions: OrderedDict[bytes, str] = OrderedDict()
@@ -230,6 +240,19 @@ class PrefixPicker:
         """A replica discovery removed takes its index with it (a pod that comes back starts cold)."""
         for r in removed:
             self.index.pop(r.url, None)
+            self.recent.pop(r.url, None)
+
+    def _recent_picks(self, replicas: list[Replica], now: float) -> list[float]:
+        tau = self.cfg.balance_window_s
+        out = []
+        for r in replicas:
+            count, at = self.recent.get(r.url, (0.0, now))
+            out.append(count * math.exp((at - now) / tau) if count else 0.0)
+        return out
+
+    def _count_pick(self, url: str, now: float) -> None:
+        count, at = self.recent.get(url, (0.0, now))
+        self.recent[url] = (1.0 + count * math.exp((at - now) / self.cfg.balance_window_s), now)
 
     def hashes(self, call: Call) -> list[int]:
         h = call.memo.get(HASHES_MEMO)
@@ -244,16 +267,24 @@ class PrefixPicker:
         loads = [float(r.inflight) for r in replicas]  # this gateway's own count: exact and current
         mean = sum(loads) / len(loads)
         ceiling = cfg.balance_rel * min(loads) + cfg.balance_abs
+        if cfg.balance_window_s:
+            picks = self._recent_picks(replicas, self.clock())
+            pick_ceiling = cfg.balance_rel * min(picks) + cfg.balance_abs
+        else:
+            picks, pick_ceiling = loads, float("inf")
         out = []
-        for r, load in zip(replicas, loads):
+        for r, load, recent in zip(replicas, loads, picks):
             idx = self.index.get(r.url)
             m = idx.matched(hashes) if idx is not None and n else 0
             if m < cfg.min_prefix_blocks:
                 m = 0
             bonus = cfg.cache_weight * m / n if m else 0.0
-            if bonus and load > ceiling:
+            if bonus and (load > ceiling or recent > pick_ceiling):
                 bonus = 0.0  # hot-prefix guard: an overloaded replica gets no affinity
-            out.append((bonus - cfg.load_weight * load / (1.0 + mean) - cfg.kv_weight * r.kv_usage, m, r))
+            score = bonus - cfg.load_weight * load / (1.0 + mean) - cfg.kv_weight * r.kv_usage
+            # an exact tie (idle replicas, equal matches) goes to the one picked least lately, not
+            # to the first listed: at a low rate ties are the common case and list order piled up
+            out.append((score - 1e-6 * recent if cfg.balance_window_s else score, m, r))
         return out
 
     def pick(self, call: Call, replicas: list[Replica]) -> list[Replica]:
@@ -271,6 +302,8 @@ class PrefixPicker:
         call.ctx.predicted_cached_tokens = round(predicted * self.tokens_per_block)
         if self.learns_from_picks and hashes:
             self._index(first.url).touch(hashes)
+        if self.cfg.balance_window_s:
+            self._count_pick(first.url, self.clock())
         return ordered
 
     def _affinity(self, call: Call, ordered: list[Replica]) -> list[Replica]:
