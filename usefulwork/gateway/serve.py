@@ -170,7 +170,7 @@ def _serve_embedded(cfg: Config, args: argparse.Namespace) -> int:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     server = LocalVLLM(model_dir=model_dir, served_name=lf.model_name, port=port, max_model_len=lf.max_model_len,
                        kv_cache_gib=lf.kv_cache_gib, extra_args=[*lf.extra_args, "--scheduling-policy", lf.scheduling_policy],
-                       log_path=log_path)
+                       dtype=lf.dtype, log_path=log_path)
     _say(f"step 2/3: starting local vLLM on 127.0.0.1:{port} (about 2 minutes on a CPU; log: {log_path})")
     server.start()
     try:
