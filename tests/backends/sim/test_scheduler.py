@@ -256,7 +256,7 @@ def test_models_that_do_not_fit_are_refused():
 
 
 def test_cpu_profile_matches_the_real_vllm_cpu_cache_layout():
-    # Real vLLM CPU server here: block_size 128, 728 blocks (2 GiB), 2048/128 batching defaults.
+    # Real vLLM CPU server here (bfloat16): block_size 128, 728 blocks (2 GiB), 2048/128 batching defaults.
     spec = build_spec(profile="cpu")
     assert (spec.model.name, spec.gpu.name) == ("SmolLM2-135M", "cpu-2core")
     assert spec.block_size == 128 and spec.num_gpu_blocks == 728
