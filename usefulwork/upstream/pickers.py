@@ -242,17 +242,9 @@ class PrefixPicker:
             self.index.pop(r.url, None)
             self.recent.pop(r.url, None)
 
-    def _recent_picks(self, replicas: list[Replica], now: float) -> list[float]:
-        tau = self.cfg.balance_window_s
-        out = []
-        for r in replicas:
-            count, at = self.recent.get(r.url, (0.0, now))
-            out.append(count * math.exp((at - now) / tau) if count else 0.0)
-        return out
-
-    def _count_pick(self, url: str, now: float) -> None:
+    def _decayed_picks(self, url: str, now: float) -> float:
         count, at = self.recent.get(url, (0.0, now))
-        self.recent[url] = (1.0 + count * math.exp((at - now) / self.cfg.balance_window_s), now)
+        return count * math.exp((at - now) / self.cfg.balance_window_s) if count else 0.0
 
     def hashes(self, call: Call) -> list[int]:
         h = call.memo.get(HASHES_MEMO)
@@ -260,18 +252,19 @@ class PrefixPicker:
             h = call.memo[HASHES_MEMO] = self.hasher.hashes(call.body)
         return h
 
-    def scores(self, hashes: list[int], replicas: list[Replica]) -> list[tuple[float, int, Replica]]:
-        """(score, predicted cached blocks, replica) per candidate."""
+    def scores(self, hashes: list[int], replicas: list[Replica]) -> list[tuple[float, int, Replica, float]]:
+        """(score, predicted cached blocks, replica, its recent picks) per candidate."""
         cfg = self.cfg
         n = len(hashes)
         loads = [float(r.inflight) for r in replicas]  # this gateway's own count: exact and current
         mean = sum(loads) / len(loads)
         ceiling = cfg.balance_rel * min(loads) + cfg.balance_abs
         if cfg.balance_window_s:
-            picks = self._recent_picks(replicas, self.clock())
+            now = self.clock()
+            picks = [self._decayed_picks(r.url, now) for r in replicas]
             pick_ceiling = cfg.balance_rel * min(picks) + cfg.balance_abs
         else:
-            picks, pick_ceiling = loads, float("inf")
+            picks, pick_ceiling = [0.0] * len(replicas), float("inf")
         out = []
         for r, load, recent in zip(replicas, loads, picks):
             idx = self.index.get(r.url)
@@ -281,10 +274,7 @@ class PrefixPicker:
             bonus = cfg.cache_weight * m / n if m else 0.0
             if bonus and (load > ceiling or recent > pick_ceiling):
                 bonus = 0.0  # hot-prefix guard: an overloaded replica gets no affinity
-            score = bonus - cfg.load_weight * load / (1.0 + mean) - cfg.kv_weight * r.kv_usage
-            # an exact tie (idle replicas, equal matches) goes to the one picked least lately, not
-            # to the first listed: at a low rate ties are the common case and list order piled up
-            out.append((score - 1e-6 * recent if cfg.balance_window_s else score, m, r))
+            out.append((bonus - cfg.load_weight * load / (1.0 + mean) - cfg.kv_weight * r.kv_usage, m, r, recent))
         return out
 
     def pick(self, call: Call, replicas: list[Replica]) -> list[Replica]:
@@ -293,17 +283,18 @@ class PrefixPicker:
         hashes = self.hashes(call)
         scored = self.scores(hashes, replicas)
         scored.sort(key=_score_key, reverse=True)
-        ordered = [r for _, _, r in scored]
+        ordered = [r for _, _, r, _ in scored]
         if self._session_header is not None:
             ordered = self._affinity(call, ordered)
         first = ordered[0]
-        predicted = next(m for _, m, r in scored if r is first)
-        call.memo[PICK_MEMO] = (first.url, {r.url: m for _, m, r in scored})
+        predicted = next(m for _, m, r, _ in scored if r is first)
+        call.memo[PICK_MEMO] = (first.url, {r.url: m for _, m, r, _ in scored})
         call.ctx.predicted_cached_tokens = round(predicted * self.tokens_per_block)
         if self.learns_from_picks and hashes:
             self._index(first.url).touch(hashes)
         if self.cfg.balance_window_s:
-            self._count_pick(first.url, self.clock())
+            now = self.clock()
+            self.recent[first.url] = (1.0 + self._decayed_picks(first.url, now), now)
         return ordered
 
     def _affinity(self, call: Call, ordered: list[Replica]) -> list[Replica]:
@@ -384,8 +375,10 @@ class PrefixPicker:
                 "index_capacity": {u: int(i.capacity) for u, i in self.index.items()}}
 
 
-def _score_key(t: tuple[float, int, Replica]) -> tuple[float, float]:
-    return (t[0], -t[2].inflight)
+def _score_key(t: tuple[float, int, Replica, float]) -> tuple[float, float, float]:
+    # ties go to the least loaded, then to the replica picked least lately (not to the first listed:
+    # at a low rate idle replicas tie all the time, and list order piled requests onto one)
+    return (t[0], -t[2].inflight, -t[3])
 
 
 class _Instruments:
