@@ -2,6 +2,11 @@
 front, the gateway's ledger compared with the load generator's figures, the report written."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -140,3 +145,41 @@ def test_each_case_sends_prompts_of_its_own_so_a_backend_cache_does_not_carry_ov
     assert len(hits) == 2 and hits == [0.0, 0.0]
     assert experiment.cell_seed(0, "128x32", "steady") != experiment.cell_seed(0, "128x32", "again")
     assert experiment.cell_seed(0, "128x32", "steady") != experiment.cell_seed(0, "512x128", "steady")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # reparented to init and not reaped yet: a zombie is gone
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_sigterm_stops_the_backend_and_gateway_it_started(tmp_path):
+    """A CI timeout or `kill` sends SIGTERM: the run must stop the servers it started (it left them running)."""
+    f = tmp_path / "long.yaml"
+    f.write_text(TINY.replace("num_requests: 24", "duration_s: 300"))
+    log = tmp_path / "stderr.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "usefulwork.cli", "loadtest", "--experiment", str(f),
+                                 "--out-dir", str(tmp_path / "out"), "--quiet"], stdout=subprocess.DEVNULL, stderr=err)
+    children: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while "ready in" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        children += [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                                   text=True).stdout.split()]
+        assert len(children) >= 2, children  # the simulator and the gateway
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in children if _alive(p)], "left running after SIGTERM"
+    finally:
+        for p in [proc.pid, *children]:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)

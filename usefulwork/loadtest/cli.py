@@ -19,7 +19,9 @@ Re-render a report from saved results::
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -106,7 +108,22 @@ def _fail(console: Console, msg: str) -> int:
     return 2
 
 
+def _stop_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 def run(args: argparse.Namespace) -> int:
+    # SIGTERM (a CI timeout, `kill`, a container stop) unwinds like Ctrl-C, so the finally blocks stop the
+    # vLLM servers, simulators and gateways this run started; the default action left them running.
+    previous = signal.signal(signal.SIGTERM, _stop_on_sigterm) if threading.current_thread() is threading.main_thread() else None
+    try:
+        return _run(args)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     try:
         if args.list:

@@ -620,24 +620,24 @@ def run_experiment(exp: Experiment, opts: Options, console: Console) -> dict[str
             lock_wait = time.monotonic() - t_prof
             t_prof = time.monotonic()  # lock waits are reported apart from the matrix's own time
             backends, urls, kv_endpoints, backend_specs = [], [], {}, []
-            for pi, pool in enumerate(backend_pools(exp)):
-                urls.append([])
-                for ri in range(int(pool.get("replicas", 1))):
-                    port = backend_port if not backends else (free_port() if opts.port_base is None
-                                                              else opts.port_base + 100 + 10 * i + len(backends))
-                    kv_port = free_port() if pool.get("kv_events") else None
-                    tag = "" if len(backend_pools(exp)) == 1 and int(pool.get("replicas", 1)) == 1 else f"-{pi}.{ri}"
-                    b = _backend_process(exp, profile, port, out_dir / f"backend-{profile.name}{tag}.log", pool, kv_port)
-                    console.print(f"[bold]{profile.name}[/]: starting {exp.backend['kind']} backend on :{port}")
-                    b.start()
-                    backends.append(b)
-                    backend_specs.append(pool)
-                    urls[-1].append(b.base_url)
-                    if kv_port is not None:
-                        kv_endpoints[b.base_url] = f"tcp://127.0.0.1:{kv_port}"
-            backend = backends[0]
             gateway = None
-            try:
+            try:  # from the first start: an interrupt (Ctrl-C, SIGTERM) stops whatever was started
+                for pi, pool in enumerate(backend_pools(exp)):
+                    urls.append([])
+                    for ri in range(int(pool.get("replicas", 1))):
+                        port = backend_port if not backends else (free_port() if opts.port_base is None
+                                                                  else opts.port_base + 100 + 10 * i + len(backends))
+                        kv_port = free_port() if pool.get("kv_events") else None
+                        tag = "" if len(backend_pools(exp)) == 1 and int(pool.get("replicas", 1)) == 1 else f"-{pi}.{ri}"
+                        b = _backend_process(exp, profile, port, out_dir / f"backend-{profile.name}{tag}.log", pool, kv_port)
+                        console.print(f"[bold]{profile.name}[/]: starting {exp.backend['kind']} backend on :{port}")
+                        backends.append(b)  # before start(): an interrupt inside start() still stops it
+                        b.start()
+                        backend_specs.append(pool)
+                        urls[-1].append(b.base_url)
+                        if kv_port is not None:
+                            kv_endpoints[b.base_url] = f"tcp://127.0.0.1:{kv_port}"
+                backend = backends[0]
                 for b in backends:
                     b.wait_ready(timeout_s=600)
                 url = backend.base_url
