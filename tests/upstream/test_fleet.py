@@ -10,12 +10,30 @@ vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
 vllm:prefix_cache_queries_total{engine="0",model_name="m"} 100.0
 vllm:prefix_cache_hits_total{engine="0",model_name="m"} 40.0
 vllm:time_to_first_token_seconds_bucket{le="0.001"} 0.0
+vllm:inter_token_latency_seconds_bucket{engine="0",le="0.01",model_name="m"} 0.0
+vllm:inter_token_latency_seconds_sum{engine="0",model_name="m"} 12.5
+vllm:inter_token_latency_seconds_count{engine="0",model_name="m"} 250.0
 """
 
 
 def test_parse_metrics_reads_vllm_v1_names():
     m = parse_metrics(METRICS)
-    assert m == {"running": 3.0, "waiting": 2.0, "kv_usage": 0.25, "prefix_queries": 100.0, "prefix_hits": 40.0}
+    assert m == {"running": 3.0, "waiting": 2.0, "kv_usage": 0.25, "prefix_queries": 100.0, "prefix_hits": 40.0,
+                 "itl_sum": 12.5, "itl_count": 250.0}
+
+
+def test_live_inter_token_latency_is_the_mean_over_the_last_scrape_interval():
+    r = _fleet().pools["p"].replicas[0]
+    r.take_metrics({"itl_sum": 12.5, "itl_count": 250.0, "running": 3.0})
+    assert r.itl_live is None and r.scrapes == 1  # a first read has no interval
+    r.take_metrics({"itl_sum": 12.5 + 30 * 0.19, "itl_count": 280.0, "running": 22.0})
+    assert abs(r.itl_live - 0.19) < 1e-9 and r.running == 22.0  # 30 tokens at 190 ms: the decode speed now
+    r.take_metrics({"itl_sum": 12.5 + 30 * 0.19, "itl_count": 280.0})
+    assert r.itl_live is None  # nothing decoded in the interval: no figure (not the old one)
+    r.take_metrics({"itl_sum": 0.4, "itl_count": 10.0})
+    assert r.itl_live is None and r.scrapes == 4  # the server restarted (counters went back)
+    r.take_metrics({"itl_sum": 0.9, "itl_count": 20.0})
+    assert abs(r.itl_live - 0.05) < 1e-9
 
 
 def _fleet():

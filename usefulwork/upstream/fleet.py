@@ -36,6 +36,9 @@ SCRAPED = {
     "vllm:gpu_cache_usage_perc": "kv_usage",  # pre-V1 name
     "vllm:prefix_cache_queries_total": "prefix_queries",
     "vllm:prefix_cache_hits_total": "prefix_hits",
+    # cumulative; a replica keeps the mean over each scrape interval (``Replica.itl_live``)
+    "vllm:inter_token_latency_seconds_sum": "itl_sum",
+    "vllm:inter_token_latency_seconds_count": "itl_count",
 }
 
 
@@ -57,10 +60,27 @@ class Replica:
     prefix_hits: float = 0.0
     num_gpu_blocks: float = 0.0  # vllm:cache_config_info labels: the KV cache's size (admission's cap)
     block_size: float = 0.0
+    itl_sum: float = 0.0  # vllm:inter_token_latency_seconds (sum, count): cumulative, observed per decoded token
+    itl_count: float = 0.0
+    # The mean inter-token latency over the last scrape interval: the decode speed now, seen seconds
+    # before any request ends (admission's live TPOT). None: no token was decoded in it, or no figure.
+    itl_live: float | None = None
+    scrapes: int = 0  # /metrics reads so far (a reader judges each one once)
     last_scrape: float = 0.0
     http: UpstreamPool | None = None  # the data-path connection pool (set by Fleet)
     discovered: bool = False  # found by the pool's discovery source (else listed in the config)
     removed: bool = False  # no longer in its pool (discovery dropped it); in-flight requests finish
+
+    def take_metrics(self, values: dict[str, float]) -> None:
+        """Apply one /metrics read (``parse_metrics``): gauges as read, the ITL histogram as a delta."""
+        sum0, count0 = self.itl_sum, self.itl_count
+        for attr, value in values.items():
+            setattr(self, attr, value)
+        d_count, d_sum = self.itl_count - count0, self.itl_sum - sum0
+        # (the first read has no interval; a restarted server's counters go back: no figure either)
+        self.itl_live = d_sum / d_count if self.scrapes and d_count > 0 and d_sum >= 0 else None
+        self.scrapes += 1
+        self.last_scrape = time.time()
 
     @property
     def load(self) -> float:
@@ -315,9 +335,7 @@ class Fleet:
         try:
             m = await self.client.get(f"{replica.url}/metrics", timeout=self.cfg.timeouts.connect_s)
             if m.status_code == 200:
-                for attr, value in parse_metrics(m.text).items():
-                    setattr(replica, attr, value)
-                replica.last_scrape = time.time()
+                replica.take_metrics(parse_metrics(m.text))
         except httpx.HTTPError:
             pass  # metrics are best effort; health decides up/down
         return True

@@ -375,6 +375,40 @@ def test_capacity_kv_cap_and_saturation_from_replica_metrics():
     assert cap.limit == 2.0  # saturated: held, neither grown nor cut
 
 
+def test_live_decode_speed_cuts_the_limit_before_any_request_ends():
+    """A CPU vLLM's decode slows with each running sequence; answers end 20 s after admission, so only
+    the replicas' live inter-token latency can stop a burst from being admitted past the TPOT SLO."""
+    class R:
+        healthy = True
+        scrapes = 0
+        itl_live = None
+
+    r = R()
+    cap = Capacity(AdmissionCfg(initial_concurrency=30), *SLO, replicas=lambda: [r])  # TPOT target 75 ms
+    q = PoolQueue("p", cap, e2e_slo_s=SLO[2])
+    cap.service = 20.0
+    for i in range(20):  # a burst: 20 admitted at once, the limit (30) learned in quiet times
+        assert q.offer(ticket(float(i) / 10), float(i) / 10).kind == "admit"
+    r.scrapes, r.itl_live = 1, 0.05  # a scrape: 50 ms per token, under target
+    q.offer(ticket(2.0), 2.0)
+    assert cap.limit == 30 and cap.live_tpot == 0.05
+    r.scrapes, r.itl_live = 2, 0.15  # the next: 150 ms, twice the target
+    q.offer(ticket(4.0), 4.0)
+    # cut from what runs (21 in flight when judged), halved at most: no answer had ended yet
+    assert cap.limit == pytest.approx(21 * 0.5) and cap.decreases == cap.live_decreases == 1
+    assert q.offer(ticket(4.1), 4.1).kind != "admit"  # over the new limit: queued or shed, not sent
+    assert cap.est_e2e(128) == pytest.approx(cap.est_ttft() + 0.15 * 127)  # waits priced at the speed now
+    lim = cap.limit
+    q.offer(ticket(4.2), 4.2)
+    assert cap.limit == lim  # the same scrape is judged once
+    r.scrapes = 3
+    q.offer(ticket(6.0), 6.0)
+    assert cap.limit == lim and cap.decreases == 1  # a new scrape, still slow, but one cut per service time
+    r.scrapes, r.itl_live = 4, None  # nothing decoded in the interval: no figure, nothing held against it
+    q.offer(ticket(30.0), 30.0)
+    assert cap.live_tpot is None and cap.decreases == 1
+
+
 def test_cold_pool_assumes_a_slot_is_held_for_the_whole_e2e_slo():
     q = make_queue(limit=2, service_s=None)
     assert q.capacity.drain_rate() == pytest.approx(2 / 5.0)

@@ -19,7 +19,9 @@ of healthy replicas the fleet reports:
   2-7% of admitted answers late (one seed in two under 95%); the p95 under 0.75 of the SLO kept every
   burst at 97.7-100% with the same goodput, and steady overload at 91-93% of capacity; 0.8 and up let
   bursts through late (88-97%). It starts at ``initial_concurrency`` or at what the replicas already run (scraped
-  ``vllm:num_requests_running`` + ``waiting``), whichever is larger.
+  ``vllm:num_requests_running`` + ``waiting``), whichever is larger. The replicas' live decode speed
+  (vLLM's inter-token latency over the last scrape interval) is judged too, as each scrape arrives: a
+  TPOT over target cuts the limit seconds into a burst instead of an E2E later (``judge_live``).
 - ``batch_limit``, the **fill limit**: how many requests in flight keep the replicas busy without
   queueing inside vLLM. Batch work may use it (less the interactive reserve), interactive work may use
   the SLO limit on top of whatever batch runs, so batch fills idle capacity and yields first. It grows while the service TTFT stays within ``FILL_TTFT_FACTOR`` of the
@@ -90,6 +92,9 @@ class Capacity:
         self.ttft_floor: float | None = None  # the lowest running mean of service TTFT seen: the unloaded TTFT
         self.tpot: float | None = None
         self.tpot_full: float | None = None  # EWMA of TPOT of requests admitted into a full pool (>= 90% of the limit)
+        self.live_tpot: float | None = None  # the replicas' inter-token latency over the last scrape (see judge_live)
+        self._live_seen: dict[int, int] = {}  # id(replica) -> its scrape count when last judged
+        self.live_decreases = 0
         self.service_full: float | None = None  # EWMA of the hold time of those requests
         self.service: float | None = None  # EWMA of a slot's hold time (s)
         self.service_dev: float = 0.0
@@ -195,12 +200,46 @@ class Capacity:
         tokens **in a full pool**: the queue asks this only of requests that wait, and a waiting request
         starts when the pool is at its limit, where decoding is slowest. (The overall mean TPOT, after a
         quiet spell, promised a burst's first queued requests 1.6 s of service that took 3.8 s.)"""
-        tpot = max(self.tpot or 0.0, self.tpot_full or 0.0) or None
+        tpot = max(self.tpot or 0.0, self.tpot_full or 0.0, self.live_tpot or 0.0) or None
         if tpot is not None and max_tokens:
             return self.est_ttft() + tpot * max(0, max_tokens - 1)
         return (self.service or 0.0) + 2.0 * self.service_dev
 
     # -- writes --
+    def judge_live(self, now: float, inflight: int) -> None:
+        """Judge the decode speed the replicas report now, before any request ends.
+
+        Samples come when requests end, a whole E2E after they were admitted: on a server whose decode
+        slows with every sequence it runs (a CPU vLLM: TPOT 40 ms at 4 sequences, 190 ms at 22), a burst
+        was admitted up to a limit learned in quiet times and every answer then missed the TPOT SLO,
+        20 s before the first one said so. vLLM's ``inter_token_latency_seconds`` histogram is observed
+        per decoded token, so the mean over a scrape interval (``Replica.itl_live``) is the TPOT of what
+        runs now. Each new scrape is judged once: over ``tpot_target`` it cuts the limit, as a late tail
+        would (in proportion, at least 10%, at most half, once per service time), from what is in flight
+        if that is under the limit; it also holds growth (``_load``) and prices the queue's waits
+        (``est_e2e``). Called by the queue on every arrival and release (cheap: a look at each replica's
+        scrape counter)."""
+        reps = list(self.replicas())
+        seen = {id(r): getattr(r, "scrapes", 0) for r in reps}
+        if seen == self._live_seen:
+            return
+        self._live_seen = seen
+        live = max((v for r in reps if getattr(r, "healthy", True) and (v := getattr(r, "itl_live", None)) is not None),
+                   default=None)
+        self.live_tpot = live
+        if live is None or live <= self.tpot_target or now - self.last_decrease < (self.service or 0.0):
+            return
+        n = self.count()
+        base = min(self.limit, inflight / n)
+        new = max(float(self.cfg.min_concurrency) / n, base * max(0.5, min(0.9, self.tpot_target / live)))
+        if new < self.limit:
+            self.limit = new
+            self.last_decrease = now
+            self.decreases += 1
+            self.live_decreases += 1
+            self.recent_e2e.clear()
+            self.recent_ttft.clear()
+
     def observe(self, s: Sample, now: float) -> None:
         if self.service is not None:
             self.service_dev = _ewma(self.service_dev, abs(s.service - self.service))
@@ -244,7 +283,7 @@ class Capacity:
         ttft = self.tail(self.recent_ttft)
         e2e = self.tail(self.recent_e2e)
         return max(((self.svc_ttft if ttft is None else ttft) or 0.0) / self.ttft_target,
-                   (self.tpot or 0.0) / self.tpot_target,
+                   max(self.tpot or 0.0, self.live_tpot or 0.0) / self.tpot_target,
                    ((self.service if e2e is None else e2e) or 0.0) / self.e2e_target)
 
     def _learn_slo(self, s: Sample, now: float, n: int) -> None:
@@ -303,6 +342,7 @@ class Capacity:
         return {"limit": self.current(), "fill_limit": self.fill(), "replicas": self.count(),
                 "limit_per_replica": round(self.limit, 2), "fill_per_replica": round(self.batch_limit, 2),
                 "service_s": self.service, "service_ttft_s": self.svc_ttft, "tpot_s": self.tpot, "tpot_full_s": self.tpot_full,
+                "live_tpot_s": self.live_tpot, "live_decreases": self.live_decreases,
                 "service_tail_s": self.tail(self.recent_e2e), "service_ttft_tail_s": self.tail(self.recent_ttft),
                 "drain_per_s": self.drain_rate(), "kv_cap": self.kv_cap(), "saturated": self.saturated(),
                 "samples": self.samples, "decreases": self.decreases, "fill_decreases": self.batch_decreases}

@@ -215,6 +215,7 @@ class PoolQueue:
     def offer(self, t: Ticket, now: float) -> Decision:
         """Admit, queue or shed a new ticket. Admitted and queued ones hold a place until released."""
         self._now = now
+        self.capacity.judge_live(now, self.inflight)
         if self.last_seen.get(t.tenant) is None:
             self._active = (math.nan, 0.0)  # a new active tenant: the shares change
         self.last_seen[t.tenant] = now
@@ -450,6 +451,7 @@ class PoolQueue:
             t.charged += delta
         if sample is not None:
             self.capacity.observe(sample, now)
+        self.capacity.judge_live(now, self.inflight + 1)  # (what ran until now)
         return self.pump(now)
 
     def next_deadline(self) -> float | None:
