@@ -22,17 +22,23 @@ def test_parse_metrics_reads_vllm_v1_names():
                  "itl_sum": 12.5, "itl_count": 250.0}
 
 
-def test_live_inter_token_latency_is_the_mean_over_the_last_scrape_interval():
+def test_live_inter_token_latency_is_the_mean_over_the_last_scrape_intervals():
     r = _fleet().pools["p"].replicas[0]
     r.take_metrics({"itl_sum": 12.5, "itl_count": 250.0, "running": 3.0})
     assert r.itl_live is None and r.scrapes == 1  # a first read has no interval
-    r.take_metrics({"itl_sum": 12.5 + 30 * 0.19, "itl_count": 280.0, "running": 22.0})
-    assert abs(r.itl_live - 0.19) < 1e-9 and r.running == 22.0  # 30 tokens at 190 ms: the decode speed now
-    r.take_metrics({"itl_sum": 12.5 + 30 * 0.19, "itl_count": 280.0})
-    assert r.itl_live is None  # nothing decoded in the interval: no figure (not the old one)
+    r.take_metrics({"itl_sum": 12.5 + 40 * 0.19, "itl_count": 290.0, "running": 22.0})
+    assert abs(r.itl_live - 0.19) < 1e-9 and r.running == 22.0  # 40 tokens at 190 ms: the decode speed now
+    r.take_metrics({"itl_sum": 12.5 + 40 * 0.19 + 4 * 0.7, "itl_count": 294.0})
+    # four tokens behind a prefill (0.7 s gaps) weigh as four tokens, not as a whole interval
+    assert abs(r.itl_live - (40 * 0.19 + 4 * 0.7) / 44) < 1e-9
+    for _ in range(3):
+        r.take_metrics({"itl_sum": 12.5 + 40 * 0.19 + 4 * 0.7, "itl_count": 294.0})
+    assert r.itl_live is None  # three intervals with nothing decoded: no figure (not the old one)
     r.take_metrics({"itl_sum": 0.4, "itl_count": 10.0})
-    assert r.itl_live is None and r.scrapes == 4  # the server restarted (counters went back)
-    r.take_metrics({"itl_sum": 0.9, "itl_count": 20.0})
+    assert r.itl_live is None and r.scrapes == 7  # the server restarted (counters went back)
+    r.take_metrics({"itl_sum": 0.4 + 10 * 0.05, "itl_count": 20.0})
+    assert r.itl_live is None  # 10 tokens: too few for a figure
+    r.take_metrics({"itl_sum": 0.4 + 40 * 0.05, "itl_count": 50.0})
     assert abs(r.itl_live - 0.05) < 1e-9
 
 

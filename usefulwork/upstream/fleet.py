@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -42,6 +43,10 @@ SCRAPED = {
 }
 
 
+ITL_WINDOW = 3  # scrape intervals in Replica.itl_live
+ITL_MIN_TOKENS = 32  # decoded tokens in that window for a figure
+
+
 @dataclass(slots=True, eq=False)
 class Replica:
     url: str  # base URL without /v1
@@ -62,9 +67,10 @@ class Replica:
     block_size: float = 0.0
     itl_sum: float = 0.0  # vllm:inter_token_latency_seconds (sum, count): cumulative, observed per decoded token
     itl_count: float = 0.0
-    # The mean inter-token latency over the last scrape interval: the decode speed now, seen seconds
-    # before any request ends (admission's live TPOT). None: no token was decoded in it, or no figure.
+    # The mean inter-token latency over the last ITL_WINDOW scrape intervals: the decode speed now, seen
+    # seconds before any request ends (admission's live TPOT). None: under ITL_MIN_TOKENS decoded, or no figure.
     itl_live: float | None = None
+    itl_window: deque = field(default_factory=lambda: deque(maxlen=ITL_WINDOW))  # (d_sum, d_count) per interval
     scrapes: int = 0  # /metrics reads so far (a reader judges each one once)
     last_scrape: float = 0.0
     http: UpstreamPool | None = None  # the data-path connection pool (set by Fleet)
@@ -77,8 +83,14 @@ class Replica:
         for attr, value in values.items():
             setattr(self, attr, value)
         d_count, d_sum = self.itl_count - count0, self.itl_sum - sum0
-        # (the first read has no interval; a restarted server's counters go back: no figure either)
-        self.itl_live = d_sum / d_count if self.scrapes and d_count > 0 and d_sum >= 0 else None
+        if d_count < 0 or d_sum < 0:
+            self.itl_window.clear()  # the server restarted: its counters went back
+        elif self.scrapes:  # (the first read has no interval)
+            self.itl_window.append((d_sum, d_count))
+        # Over a few intervals, not one: one token's gap spans any prefill that ran in its step (0.7 s for a
+        # 512-token prompt on a CPU), so a 2 s interval with few tokens read as a slow decode and cut the limit.
+        tokens = sum(c for _, c in self.itl_window)
+        self.itl_live = sum(x for x, _ in self.itl_window) / tokens if tokens >= ITL_MIN_TOKENS else None
         self.scrapes += 1
         self.last_scrape = time.time()
 

@@ -386,13 +386,17 @@ def test_live_decode_speed_cuts_the_limit_before_any_request_ends():
     r = R()
     cap = Capacity(AdmissionCfg(initial_concurrency=30), *SLO, replicas=lambda: [r])  # TPOT target 75 ms
     q = PoolQueue("p", cap, e2e_slo_s=SLO[2])
+    r.scrapes, r.itl_live = 1, 0.5
+    q.offer(ticket(0.0), 0.0)
+    assert cap.limit == 30 and cap.decreases == 0  # no round trip measured yet (cold): no verdict
+    q.release(next(iter(q.running)), 0.0)
     cap.service = 20.0
     for i in range(20):  # a burst: 20 admitted at once, the limit (30) learned in quiet times
         assert q.offer(ticket(float(i) / 10), float(i) / 10).kind == "admit"
-    r.scrapes, r.itl_live = 1, 0.05  # a scrape: 50 ms per token, under target
+    r.scrapes, r.itl_live = 2, 0.05  # a scrape: 50 ms per token, under target
     q.offer(ticket(2.0), 2.0)
     assert cap.limit == 30 and cap.live_tpot == 0.05
-    r.scrapes, r.itl_live = 2, 0.15  # the next: 150 ms, twice the target
+    r.scrapes, r.itl_live = 3, 0.15  # the next: 150 ms, twice the target
     q.offer(ticket(4.0), 4.0)
     # cut from what runs (21 in flight when judged), halved at most: no answer had ended yet
     assert cap.limit == pytest.approx(21 * 0.5) and cap.decreases == cap.live_decreases == 1
@@ -401,10 +405,10 @@ def test_live_decode_speed_cuts_the_limit_before_any_request_ends():
     lim = cap.limit
     q.offer(ticket(4.2), 4.2)
     assert cap.limit == lim  # the same scrape is judged once
-    r.scrapes = 3
+    r.scrapes = 4
     q.offer(ticket(6.0), 6.0)
     assert cap.limit == lim and cap.decreases == 1  # a new scrape, still slow, but one cut per service time
-    r.scrapes, r.itl_live = 4, None  # nothing decoded in the interval: no figure, nothing held against it
+    r.scrapes, r.itl_live = 5, None  # nothing decoded lately: no figure, nothing held against it
     q.offer(ticket(30.0), 30.0)
     assert cap.live_tpot is None and cap.decreases == 1
 

@@ -213,8 +213,8 @@ class Capacity:
         slows with every sequence it runs (a CPU vLLM: TPOT 40 ms at 4 sequences, 190 ms at 22), a burst
         was admitted up to a limit learned in quiet times and every answer then missed the TPOT SLO,
         20 s before the first one said so. vLLM's ``inter_token_latency_seconds`` histogram is observed
-        per decoded token, so the mean over a scrape interval (``Replica.itl_live``) is the TPOT of what
-        runs now. Each new scrape is judged once: over ``tpot_target`` it cuts the limit, as a late tail
+        per decoded token, so its mean over the last few scrape intervals (``Replica.itl_live``) is the
+        TPOT of what runs now. Each new scrape is judged once: over ``tpot_target`` it cuts the limit, as a late tail
         would (in proportion, at least 10%, at most half, once per service time), from what is in flight
         if that is under the limit; it also holds growth (``_load``) and prices the queue's waits
         (``est_e2e``). Called by the queue on every arrival and release (cheap: a look at each replica's
@@ -227,7 +227,9 @@ class Capacity:
         live = max((v for r in reps if getattr(r, "healthy", True) and (v := getattr(r, "itl_live", None)) is not None),
                    default=None)
         self.live_tpot = live
-        if live is None or live <= self.tpot_target or now - self.last_decrease < (self.service or 0.0):
+        # (no verdict before a round trip was measured: the cold limit is initial_concurrency, and the
+        # once-per-service-time rule needs a service time; without it every scrape cut the limit to 1)
+        if live is None or live <= self.tpot_target or self.service is None or now - self.last_decrease < self.service:
             return
         n = self.count()
         base = min(self.limit, inflight / n)
