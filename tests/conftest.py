@@ -46,6 +46,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def child_pids(pid: int) -> list[int]:
+    """The live child processes of ``pid`` (pgrep -P), sorted."""
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return sorted(int(x) for x in out)
+
+
 def _answers(url: str) -> bool:
     try:
         return httpx.get(f"{url}/v1/models", timeout=3).status_code == 200

@@ -14,15 +14,10 @@ import pytest
 import redis
 import yaml
 
-from tests.conftest import free_port
+from tests.conftest import child_pids, free_port
 from tests.gateway.accounting.test_shared import MODEL, chat, gateway_config, sim, start_gateway, stop, wait_ready  # noqa: F401
 
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-
-
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
-    return sorted(int(x) for x in out)
 
 
 def _serve_error(tmp_path, cfg: dict, *args: str) -> subprocess.CompletedProcess:
@@ -52,7 +47,7 @@ def test_workers_share_the_port_restart_and_drain_on_sigterm(sim, redis_url, tmp
                        "--workers", "2")
     try:
         wait_ready(gw)
-        workers = _children(gw.proc.pid)
+        workers = child_pids(gw.proc.pid)
         assert len(workers) == 2
         with httpx.Client(timeout=30) as c:  # one connection per request: the kernel spreads them
             codes = [c.post(f"{gw.url}/v1/chat/completions", json=BODY, headers={"connection": "close"}).status_code
@@ -68,7 +63,7 @@ def test_workers_share_the_port_restart_and_drain_on_sigterm(sim, redis_url, tmp
         # a worker that dies is restarted on its socket; the port keeps answering meanwhile
         os.kill(workers[0], signal.SIGKILL)
         deadline = time.monotonic() + 30
-        while (now := _children(gw.proc.pid)) == workers or len(now) < 2:
+        while (now := child_pids(gw.proc.pid)) == workers or len(now) < 2:
             assert time.monotonic() < deadline, now
             time.sleep(0.2)
         assert workers[1] in now

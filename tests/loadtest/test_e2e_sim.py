@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from tests.conftest import child_pids
 from usefulwork.loadtest import experiment, report
 from usefulwork.loadtest.experiment import ExperimentError, Options, load_experiment, run_experiment
 
@@ -170,8 +171,7 @@ def test_sigterm_stops_the_backend_and_gateway_it_started(tmp_path):
         while "ready in" not in log.read_text():
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.2)
-        children += [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
-                                                   text=True).stdout.split()]
+        children += child_pids(proc.pid)
         assert len(children) >= 2, children  # the simulator and the gateway
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 128 + signal.SIGTERM

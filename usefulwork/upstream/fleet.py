@@ -37,7 +37,7 @@ SCRAPED = {
     "vllm:gpu_cache_usage_perc": "kv_usage",  # pre-V1 name
     "vllm:prefix_cache_queries_total": "prefix_queries",
     "vllm:prefix_cache_hits_total": "prefix_hits",
-    # cumulative; a replica keeps the mean over each scrape interval (``Replica.itl_live``)
+    # cumulative; a replica keeps the mean over its last few scrape intervals (``Replica.itl_live``)
     "vllm:inter_token_latency_seconds_sum": "itl_sum",
     "vllm:inter_token_latency_seconds_count": "itl_count",
 }

@@ -20,7 +20,7 @@ of healthy replicas the fleet reports:
   burst at 97.7-100% with the same goodput, and steady overload at 91-93% of capacity; 0.8 and up let
   bursts through late (88-97%). It starts at ``initial_concurrency`` or at what the replicas already run (scraped
   ``vllm:num_requests_running`` + ``waiting``), whichever is larger. The replicas' live decode speed
-  (vLLM's inter-token latency over the last scrape interval) is judged too, as each scrape arrives: a
+  (vLLM's inter-token latency over the last few scrape intervals) is judged too, as each scrape arrives: a
   TPOT over target cuts the limit seconds into a burst instead of an E2E later (``judge_live``).
 - ``batch_limit``, the **fill limit**: how many requests in flight keep the replicas busy without
   queueing inside vLLM. Batch work may use it (less the interactive reserve), interactive work may use
@@ -92,7 +92,7 @@ class Capacity:
         self.ttft_floor: float | None = None  # the lowest running mean of service TTFT seen: the unloaded TTFT
         self.tpot: float | None = None
         self.tpot_full: float | None = None  # EWMA of TPOT of requests admitted into a full pool (>= 90% of the limit)
-        self.live_tpot: float | None = None  # the replicas' inter-token latency over the last scrape (see judge_live)
+        self.live_tpot: float | None = None  # the replicas' inter-token latency now (Replica.itl_live; see judge_live)
         self._live_seen: dict[int, int] = {}  # id(replica) -> its scrape count when last judged
         self.live_decreases = 0
         self.service_full: float | None = None  # EWMA of the hold time of those requests
@@ -214,8 +214,8 @@ class Capacity:
         was admitted up to a limit learned in quiet times and every answer then missed the TPOT SLO,
         20 s before the first one said so. vLLM's ``inter_token_latency_seconds`` histogram is observed
         per decoded token, so its mean over the last few scrape intervals (``Replica.itl_live``) is the
-        TPOT of what runs now. Each new scrape is judged once: over ``tpot_target`` it cuts the limit, as a late tail
-        would (in proportion, at least 10%, at most half, once per service time), from what is in flight
+        TPOT of what runs now. Each new scrape is judged once: over ``tpot_target`` it cuts the limit as a
+        late tail would (in proportion, at least 10%, at most half, once per service time), from what is in flight
         if that is under the limit; it also holds growth (``_load``) and prices the queue's waits
         (``est_e2e``). Called by the queue on every arrival and release (cheap: a look at each replica's
         scrape counter)."""
@@ -231,16 +231,23 @@ class Capacity:
         # once-per-service-time rule needs a service time; without it every scrape cut the limit to 1)
         if live is None or live <= self.tpot_target or self.service is None or now - self.last_decrease < self.service:
             return
-        n = self.count()
-        base = min(self.limit, inflight / n)
-        new = max(float(self.cfg.min_concurrency) / n, base * max(0.5, min(0.9, self.tpot_target / live)))
+        n = self.count(reps)
+        new = self._cut_to(min(self.limit, inflight / n), live / self.tpot_target, n)
         if new < self.limit:
-            self.limit = new
-            self.last_decrease = now
-            self.decreases += 1
+            self._cut(new, now)
             self.live_decreases += 1
-            self.recent_e2e.clear()
-            self.recent_ttft.clear()
+
+    def _cut_to(self, base: float, overshoot: float, n: int) -> float:
+        """A cut limit: ``base`` in proportion to the overshoot (at least 10%, at most half), never under
+        ``min_concurrency``."""
+        return max(float(self.cfg.min_concurrency) / n, base * max(0.5, min(0.9, 1.0 / overshoot)))
+
+    def _cut(self, new: float, now: float) -> None:
+        self.limit = new
+        self.last_decrease = now
+        self.decreases += 1
+        self.recent_e2e.clear()  # the window described the limit just cut
+        self.recent_ttft.clear()
 
     def observe(self, s: Sample, now: float) -> None:
         if self.service is not None:
@@ -312,11 +319,7 @@ class Capacity:
             if now - self.last_decrease >= (self.service or 0.0):
                 # In proportion to the overshoot (at most halved, at least 10%): a limit that grew past
                 # what the pool serves in time comes back within a service time or two.
-                self.limit = max(float(self.cfg.min_concurrency) / n, self.limit * max(0.5, min(0.9, 1.0 / load)))
-                self.last_decrease = now
-                self.decreases += 1
-                self.recent_e2e.clear()  # the window described the limit just cut
-                self.recent_ttft.clear()
+                self._cut(self._cut_to(self.limit, load, n), now)
             return
         if self.saturated():  # the replicas say "full" before the SLO does: hold, do not grow
             return
