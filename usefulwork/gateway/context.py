@@ -58,6 +58,7 @@ class RequestContext:
     t_validated: float | None = None  # body read, parsed and validated
     t_forwarded: float | None = None  # first sent upstream (GPU work can start)
     t_first_token: float | None = None
+    on_first_token: Any = None  # called once, with no argument, when a stream's first event is sent (admission)
     t_end: float | None = None
     chunks: int = 0  # content-bearing SSE events forwarded
     closing: bool = False  # the final response message is being sent: a disconnect now is not a cancel

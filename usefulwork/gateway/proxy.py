@@ -242,6 +242,8 @@ class Endpoint:
             async for out in reply.chunks:
                 if ctx.t_first_token is None:
                     ctx.t_first_token = time.perf_counter()
+                    if ctx.on_first_token is not None:
+                        ctx.on_first_token()
                 events.append(out)
                 if out.endswith(DONE_EVENT) or (marker is not None and marker in out):
                     ctx.closing = True  # a client closing after this write got everything

@@ -180,3 +180,24 @@ def test_gateway_keeps_serving_when_redis_dies_and_recovers(sim, tmp_path):
         gw.stop()
         if server.poll() is None:
             server.kill()
+
+
+def test_each_streams_first_token_frees_its_prefill_place_and_teaches_the_prefill_limit(sim, tmp_path):
+    """Through the real gateway with the openai SDK: a stream's first event frees its prefill place (the
+    proxy's first-token hook) and is a sample of the prefill limit; after ten, the gate is in force.
+    Unary answers hold their place until their expected prefill passes or they end."""
+    gw = gateway(sim, tmp_path)
+    try:
+        c = openai.OpenAI(base_url=gw.base_url + "/v1", api_key="k", max_retries=0)
+        for i in range(12):
+            s = c.completions.create(model=MODEL, prompt=f"{i} " + "x " * 200, max_tokens=8, stream=True,
+                                     extra_body={"ignore_eos": True})
+            assert sum(1 for _ in s) >= 8
+        c.completions.create(model=MODEL, prompt="unary " * 100, max_tokens=8, extra_body={"ignore_eos": True})
+        pool = httpx.get(gw.base_url + "/usefulwork/stats").json()["filters"]["admission"]["pools"]["a100"]
+        cap = pool["capacity"]
+        assert pool["prefill_pending"] == 0 and pool["admitted"] == 13
+        assert 0 < cap["prefill_each_s"] < 1.0  # the simulated A100's TTFT for a 200-token prompt: tens of ms
+        assert cap["prefill_limit"] >= 1  # ttft target / prefill_each: in force after ten first tokens
+    finally:
+        gw.stop()

@@ -576,3 +576,88 @@ def test_under_vllm_priority_scheduling_batch_waiting_inside_vllm_does_not_cut_t
         assert cap.queueing() and cap.batch_decreases > 0
     R.kv_usage = 0.99
     assert cap.queueing()  # a full KV cache is a limit either way
+
+
+def _cpu_server_burst(gate: bool) -> tuple[list[float], int, int, PoolQueue]:
+    """A CPU-like server on the virtual clock: prefills run one at a time (0.7 s each, first come first
+    served), then 128 tokens at 40 ms. TTFT SLO 5 s, E2E 30 s; 12 requests 3 s apart (the gate learns
+    what one prefill costs), then a burst at 3 req/s for 12 s (2.1x what the prefills can take).
+    Returns the TTFT from arrival of every served request, the sheds, the deadline sheds, the queue."""
+    c = AdmissionCfg(initial_concurrency=16, prefill_gate=gate)
+    cap = Capacity(c, 5.0, 0.15, 30.0, replica_count=lambda: 1)
+    q = PoolQueue("p", cap, reserve_fraction=c.reserve_fraction, max_queue=c.max_queue, e2e_slo_s=30.0)
+    arrivals = [3.0 * i for i in range(12)] + [40.0 + i / 3.0 for i in range(36)]
+    events: list[tuple[float, int, str, Ticket | None]] = [(a, i, "arrive", None) for i, a in enumerate(arrivals)]
+    heapq.heapify(events)
+    seq = len(events)
+    prefill_free_at = 0.0
+    ttfts: list[float] = []
+    sheds = 0
+    expired = 0
+
+    def start(t: Ticket, now: float) -> None:
+        nonlocal prefill_free_at, seq
+        prefill_free_at = max(now, prefill_free_at) + 0.7
+        heapq.heappush(events, (prefill_free_at, seq, "first", t))
+        seq += 1
+
+    while events:
+        now, _, kind, t = heapq.heappop(events)
+        woken: list[Ticket] = []
+        if kind == "arrive":
+            t = Ticket("a", 0, 640.0, now, now + 5.0, max_tokens=128, stream=True)
+            d = q.offer(t, now)
+            sheds += d.kind == "shed"
+            woken = [t] if d.kind == "admit" else []
+            woken += d.woken
+        elif kind == "first":
+            ttfts.append(now - t.arrival)
+            woken = q.first_token(t, now)
+            heapq.heappush(events, (now + 127 * 0.04, seq, "done", t))
+            seq += 1
+        else:
+            ttft = next(x for x in ttfts[::-1] if x is not None)  # (any recent one: only the means matter here)
+            woken = q.release(t, now, Sample(ttft=ttft, tpot=0.04, service=now - t.admitted_at, tokens=640, ok=True,
+                                             inflight_at_admit=t.inflight_at_admit))
+        for x in q.expire(now):
+            if x.state == "admitted":
+                woken.append(x)
+            else:
+                expired += 1
+        for x in woken:
+            if x.state == "admitted":
+                start(x, now)
+    return ttfts, sheds, expired, q
+
+
+def test_prefill_gate_keeps_a_burst_of_long_prompts_within_the_ttft_slo():
+    """The slot limit counts sequences; the prompts' prefills queue inside the server where it does not
+    look. With the prefill gate, every request admitted into the burst gets its first token within the
+    5 s SLO, and the rest are told at arrival; without it, the burst's later prompts wait past it."""
+    ttfts, sheds, expired, q = _cpu_server_burst(gate=True)
+    assert max(ttfts) <= 5.0, sorted(ttfts)[-5:]
+    assert sheds >= 3 and expired <= 1
+    assert len(ttfts) + sheds + expired == 48
+    assert len(ttfts) >= 12 + 12 * 0.7  # the prefills were kept busy through the burst (1.43 prompts/s)
+    assert 4.0 <= q.capacity.prefill_limit <= 6.0  # ~ 3.75 s target / 0.7 s a prefill
+    assert q.pending == 0 and q.pending_inter == 0
+    off, _, _, _ = _cpu_server_burst(gate=False)
+    assert max(off) > 5.0  # the same burst without the gate: first tokens past the SLO
+
+
+def test_unary_prefill_place_is_deemed_free_after_its_expected_prefill():
+    """A unary answer's first token is not seen: its prefill place frees at the time the prefills ahead
+    of it and its own should have taken, or when it ends."""
+    q = make_queue(limit=8, service_s=1.0)
+    cap = q.capacity
+    cap.prefill_each, cap.prefill_limit = 0.5, 2.0
+    a = Ticket("a", 0, 640.0, 0.0, 2.0, stream=False)
+    b = Ticket("a", 0, 640.0, 0.0, 2.0, stream=False)
+    assert q.offer(a, 0.0).kind == "admit" and q.offer(b, 0.0).kind == "admit"
+    assert q.pending == 2 and q.next_prefill_due() == 0.5
+    c = Ticket("a", 0, 640.0, 0.1, 2.1)
+    assert q.offer(c, 0.1).kind == "queue"  # two prefills pending: the gate is full
+    assert q.pump(0.6) == [c] and q.pending == 2  # a's place deemed free at 0.5; b's at 0.5 + 0.5
+    assert q.first_token(c, 0.9) == [] and q.pending == 1
+    q.release(b, 0.95)
+    assert q.pending == 0 and cap.prefill_samples == 1

@@ -29,6 +29,19 @@ of healthy replicas the fleet reports:
   (``vllm:num_requests_waiting`` at most 2 or 5% of its running requests) and its KV cache under
   ``kv_high``; it is cut by 10% (at most once per service time) when not. It is never below ``limit``.
 
+- ``prefill_limit``, the **prefill limit** (``prefill_gate``): prefills admitted but not yet answered (no first
+  token seen) per replica. The slot limits count sequences, and decode slows with them; a prompt's TTFT
+  is the prefill work ahead of it inside vLLM, which the slot limit does not see: on a CPU vLLM a
+  512-token prefill takes 0.7 s, and 11 prompts admitted within 4 s of a burst waited 5-6 s for their
+  first token against a 5 s SLO. Each stream's first token is a sample (``observe_first_token``):
+  ``prefill_each``, the running mean of TTFT / (prefills pending ahead of it + 1), is what one pending
+  prefill adds; the limit starts at ``ttft_target / prefill_each`` once 10 samples are in, a first token
+  over ``ttft_target`` with others pending ahead cuts it to what would have met it ((ahead + 1) x
+  target / TTFT; computed from the observation, so late answers of one burst do not compound), and it
+  grows by one per tested sample under 80% of the target. Pending prefills drain at ``replicas /
+  prefill_each`` per second (the queue's wait for a prefill place). First tokens come within a TTFT of
+  admission, not a whole E2E later, so this limit reacts inside a burst.
+
 Both are capped by the replicas' KV caches (``vllm:cache_config_info`` blocks x block size: the
 sequences of the measured length that fit) and by ``max_concurrency``. The drain rate (requests that
 leave per second when the pool is full) is Little's law on the same measurements: limit / mean
@@ -104,6 +117,10 @@ class Capacity:
         self.samples = 0
         self.decreases = 0
         self.batch_decreases = 0
+        self.prefill_each: float | None = None  # EWMA of TTFT / (prefills pending ahead + 1) (s)
+        self.prefill_limit: float | None = None  # per replica (None: not learnt yet, no gate)
+        self.prefill_samples = 0
+        self.prefill_decreases = 0
 
     # -- reads --
     def count(self, reps: Iterable | None = None) -> int:
@@ -180,6 +197,16 @@ class Capacity:
         """The fill limit to apply now (never below the SLO limit)."""
         return self.limits()[1]
 
+    def prefill_places(self, reps: Iterable | None = None) -> int | None:
+        """The prefill limit to apply now, for the pool (None: no gate yet, or ``prefill_gate`` off)."""
+        if self.prefill_limit is None or not self.cfg.prefill_gate:
+            return None
+        return max(1, int(self.prefill_limit * self.count(reps)))
+
+    def prefill_wait(self, position: int) -> float:
+        """Seconds until ``position`` more pending prefills have been answered (pool-wide)."""
+        return position * (self.prefill_each or 0.0) / self.count()
+
     def drain_rate(self) -> float | None:
         """Requests per second that leave a full pool. Before the first measurement, a slot is
         assumed held for the whole E2E SLO (cautious: a cold gateway sheds early rather than late)."""
@@ -236,6 +263,25 @@ class Capacity:
         if new < self.limit:
             self._cut(new, now)
             self.live_decreases += 1
+
+    def observe_first_token(self, ttft: float, ahead: float) -> None:
+        """A stream's first token: ``ttft`` seconds after admission, with ``ahead`` prefills per replica
+        pending ahead of it then (of the kind the gate counts: see ``PoolQueue.prefill_pending``)."""
+        self.prefill_each = _ewma(self.prefill_each, ttft / (ahead + 1.0))
+        self.prefill_samples += 1
+        if self.prefill_limit is None:
+            if self.prefill_samples >= 10:
+                self.prefill_limit = max(1.0, self.ttft_target / self.prefill_each)
+            return
+        if ttft > self.ttft_target:
+            # (a slow first token with nothing pending ahead is not the prefill queue: nothing to cut)
+            if ahead >= 1.0:
+                new = max(1.0, (ahead + 1.0) * self.ttft_target / ttft)
+                if new < self.prefill_limit:
+                    self.prefill_limit = new
+                    self.prefill_decreases += 1
+        elif ttft < 0.8 * self.ttft_target and ahead + 2.0 >= self.prefill_limit:
+            self.prefill_limit += 1.0 / self.count()
 
     def _cut_to(self, base: float, overshoot: float, n: int) -> float:
         """A cut limit: ``base`` in proportion to the overshoot (at least 10%, at most half), never under
@@ -350,7 +396,9 @@ class Capacity:
                 "live_tpot_s": self.live_tpot, "live_decreases": self.live_decreases,
                 "service_tail_s": self.tail(self.recent_e2e), "service_ttft_tail_s": self.tail(self.recent_ttft),
                 "drain_per_s": self.drain_rate(), "kv_cap": self.kv_cap(), "saturated": self.saturated(),
-                "samples": self.samples, "decreases": self.decreases, "fill_decreases": self.batch_decreases}
+                "samples": self.samples, "decreases": self.decreases, "fill_decreases": self.batch_decreases,
+                "prefill_limit": self.prefill_places(), "prefill_per_replica": None if self.prefill_limit is None else round(self.prefill_limit, 2),
+                "prefill_each_s": self.prefill_each, "prefill_decreases": self.prefill_decreases}
 
 
 def _ewma(old: float | None, new: float) -> float:

@@ -28,6 +28,10 @@ class AdmissionCfg(BaseModel):
                                  "the limit is judged on (the SLO's own percentile: 0.95 for attainment 95%).")
     tail_window: int = Field(100, ge=20, description="Recent successful requests the tail is taken over (fewer than "
                              "10: the running means are used).")
+    prefill_gate: bool = Field(True, description="Also limit the prefills admitted but not yet answered (first token "
+                               "not seen) per replica, learnt from each stream's first token against the TTFT target, so "
+                               "a burst of long prompts waits (or is shed at arrival) in the gateway instead of queueing "
+                               "inside vLLM past its deadline.")
     kv_high: float = Field(0.95, gt=0, le=1, description="KV-cache usage above which a pool is saturated (no growth).")
     reserve_fraction: float = Field(0.1, ge=0, lt=1, description="Share of the SLO limit that batch work leaves free of "
                                     "its fill limit (interactive work also runs on top of batch, within its own SLO limit).")

@@ -173,7 +173,8 @@ class AdmissionFilter:
         cls = PRIORITIES.index(p)
         raw = call.raw if call.raw is not None else orjson.dumps(call.body, option=orjson.OPT_SORT_KEYS)
         t = Ticket(ctx.tenant, cls, float(tokens), now, now + self.deadline_s[cls], max_tokens=max_tokens,
-                   key=hash((ctx.tenant, raw)) or 1)  # a retry sends the same body: it finds its reserved place
+                   key=hash((ctx.tenant, raw)) or 1,  # a retry sends the same body: it finds its reserved place
+                   stream=ctx.stream)
         decision = queue.offer(t, now)
         if decision.kind == "shed" and tenant_cfg.degrade is not None:
             queue, decision = self._degrade(call, queue, t, decision, tenant_cfg.degrade, now)
@@ -204,6 +205,8 @@ class AdmissionFilter:
                 call.set_body({**call.body, "priority": t.engine_priority})
             if self._wait_hist is not None:
                 self._wait_hist.record(t.admitted_at - t.arrival, {"pool": queue.name, "priority": p})
+            if t.stream:
+                ctx.on_first_token = lambda: self._dispatch(queue, queue.first_token(t, self.clock()))
             reply = await next(call)
         except BaseException:
             if t.state == "queued":
@@ -280,7 +283,7 @@ class AdmissionFilter:
         def arm(delay: float) -> None:
             handles.append(loop.call_later(delay, self._expire, queue, t, arm))
 
-        arm(max(0.0, queue.latest_start(t) - self.clock()))
+        arm(max(0.0, self._next_look(queue, t, queue.latest_start(t)) - self.clock()))
         try:
             return await t.waiter
         finally:
@@ -294,7 +297,14 @@ class AdmissionFilter:
         self._dispatch(queue, queue.expire(now))
         self._dispatch(queue, queue.pump(now))
         if t.state == "queued":
-            arm(max(0.001, min(queue.latest_start(t), t.deadline) - now))
+            arm(max(0.001, self._next_look(queue, t, min(queue.latest_start(t), t.deadline)) - now))
+
+    @staticmethod
+    def _next_look(queue: PoolQueue, t: Ticket, at: float) -> float:
+        """When a queued ticket's waiter looks again: at ``at``, or sooner when a unary request's prefill
+        place is deemed free (no first token says so)."""
+        due = queue.next_prefill_due()
+        return at if due is None else min(at, due)
 
     @staticmethod
     def _dispatch(queue: PoolQueue, tickets: list[Ticket]) -> None:
@@ -308,10 +318,12 @@ class AdmissionFilter:
         now = self.clock()
         sample = None
         if t.admitted_at is not None:
+            # (a unary answer's first byte is its last: its TTFT is its E2E, as the client sees it; its TPOT
+            # is unknown, not zero)
             ttft = None if ctx.t_first_token is None else max(0.0, ctx.t_first_token - t.admitted_at)
             # (ctx.t_end is set after the closers run: TPOT from now)
             n = ctx.completion_tokens
-            tpot = (now - ctx.t_first_token) / (n - 1) if ctx.t_first_token is not None and n > 1 else None
+            tpot = (now - ctx.t_first_token) / (n - 1) if ttft is not None and t.stream and n > 1 else None
             sample = Sample(ttft=ttft, tpot=tpot, service=now - t.admitted_at,
                             # (the endpoint classifies the outcome after closing: read the status)
                             tokens=ctx.prompt_tokens + ctx.completion_tokens,

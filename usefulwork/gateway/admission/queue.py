@@ -38,6 +38,8 @@ loop's clock, the tests with a virtual one.
 from __future__ import annotations
 
 import bisect
+import heapq
+import itertools
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -72,6 +74,9 @@ class Ticket:
     over_share: bool = False  # its tenant held its fair share of the SLO limit when it was admitted
     waiter: Any = None  # the filter's future, resolved when the ticket is admitted or shed
     shed_reason: str | None = None
+    stream: bool = True  # its first token is seen (``first_token``); a unary answer's is not
+    prefilling: bool = False  # admitted, first token not seen yet: holds a prefill place
+    prefill_ahead: float = 0.0  # prefills pending per replica ahead of it when admitted
 
     @property
     def priority(self) -> str:
@@ -118,11 +123,39 @@ class PoolQueue:
     return_rate: float = 0.0  # EWMA over ended reservations: 1 taken back, 0 expired unused
     inflight_tenant: dict[str, int] = field(default_factory=dict)
     last_seen: dict[str, float] = field(default_factory=dict)  # tenant -> its last request's arrival
+    pending: int = 0  # prefills admitted and not yet answered (first token not seen), all classes
+    pending_inter: int = 0  # of those, interactive
+    _prefill_due: list = field(default_factory=list)  # heap of (when a unary prefill is deemed done, seq, ticket)
+    _seq: Any = field(default_factory=itertools.count)
     _now: float = 0.0  # the time of the call in progress (every entry point takes ``now``)
     _active: tuple[float, float] = (math.nan, 0.0)  # (time, total weight of the active tenants) cache
 
     # -- the decision --
     def free(self, cls: int, tenant: str | None = None) -> int:
+        """Places a ticket of class ``cls`` (of ``tenant``) may take now: a slot, and a prefill place
+        where the prefill gate counts its class."""
+        slots = self.slot_free(cls, tenant)
+        prefill = self.prefill_free(cls)
+        return slots if prefill is None else min(slots, prefill)
+
+    def prefill_pending(self, cls: int) -> int | None:
+        """Pending prefills that delay a first token of class ``cls`` (None: its class is not gated).
+        Under vLLM's priority scheduling an interactive prefill overtakes waiting lower-class ones, so only
+        interactive ones count for it, and lower classes are not gated (they wait inside vLLM by design);
+        under first-come-first-served every pending prefill delays every later one."""
+        if self.capacity.priority_scheduling:
+            return self.pending_inter if cls == 0 else None
+        return self.pending
+
+    def prefill_free(self, cls: int) -> int | None:
+        """Prefill places free for class ``cls`` (None: no gate for it)."""
+        pending = self.prefill_pending(cls)
+        if pending is None:
+            return None
+        places = self.capacity.prefill_places()
+        return None if places is None else places - pending
+
+    def slot_free(self, cls: int, tenant: str | None = None) -> int:
         """Slots a ticket of class ``cls`` (of ``tenant``) may take now (interactive: its own SLO limit,
         within the fill limit; lower classes: the fill limit less the interactive reserve). A tenant
         already holding its fair share leaves ``tenant_headroom`` of the SLO limit free for the others."""
@@ -184,15 +217,19 @@ class PoolQueue:
         return n
 
     def predict_wait(self, t: Ticket, now: float, reserved: int = 0, own: int | None = None) -> float | None:
-        """Seconds until ``t`` would be dispatched (0: now; None: no measurement yet)."""
-        position = self.ahead_of(t, own) + reserved + 1 - max(0, self.free(t.cls, t.tenant))
+        """Seconds until ``t`` would be dispatched (0: now; None: no measurement yet): the later of a
+        free slot and a free prefill place."""
+        ahead = self.ahead_of(t, own) + reserved + 1
+        prefill = self.prefill_free(t.cls)
+        wait = 0.0 if prefill is None or ahead <= prefill else self.capacity.prefill_wait(ahead - prefill)
+        position = ahead - max(0, self.slot_free(t.cls, t.tenant))
         if position <= 0:
-            return 0.0
+            return wait
         if self.running:
-            return self._slot_free_in(position, now)
+            return max(wait, self._slot_free_in(position, now))
         rate = self.drain_rate(t.cls)
         # One dispatch interval of headroom: slots free one at a time, not as a fluid.
-        return None if not rate else (position + 1) / rate
+        return None if not rate else max(wait, (position + 1) / rate)
 
     def _slot_free_in(self, position: int, now: float) -> float:
         """When the ``position``-th slot frees: requests in flight end in the order they started (the
@@ -207,14 +244,27 @@ class PoolQueue:
 
     def budget(self, t: Ticket, now: float) -> float:
         """How long ``t`` may wait and still meet its TTFT deadline and the E2E SLO."""
-        b = t.deadline - now - self.capacity.est_ttft()
+        b = t.deadline - now - self.est_ttft(t.cls)
         if self.e2e_slo_s is not None and t.deadline - t.arrival <= self.e2e_slo_s:
             b = min(b, t.arrival + self.e2e_slo_s - now - self.capacity.est_e2e(t.max_tokens))
         return b
 
+    def est_ttft(self, cls: int) -> float:
+        """Service TTFT a ticket of class ``cls`` dispatched now should budget for: the measured one
+        (``Capacity.est_ttft``), or, where the prefill gate counts its class, the prefills it would
+        find pending (at most the gate's places less its own) plus its own, if that is longer. (The
+        measured TTFT comes with answers that end; a burst fills the pending prefills seconds sooner.)"""
+        est = self.capacity.est_ttft()
+        pending = self.prefill_pending(cls)
+        places = self.capacity.prefill_places()
+        if pending is None or places is None:
+            return est
+        return max(est, self.capacity.prefill_wait(min(pending, places - 1) + 1))
+
     def offer(self, t: Ticket, now: float) -> Decision:
         """Admit, queue or shed a new ticket. Admitted and queued ones hold a place until released."""
         self._now = now
+        self._prefills_due(now)
         self.capacity.judge_live(now, self.inflight)
         if self.last_seen.get(t.tenant) is None:
             self._active = (math.nan, 0.0)  # a new active tenant: the shares change
@@ -262,7 +312,7 @@ class PoolQueue:
         # Come back when everything ahead, promised retries included, has drained to what a fresh
         # request's budget allows; hold that place for this tenant.
         rate = self.drain_rate(t.cls)
-        full_budget = max(0.0, t.deadline - t.arrival - self.capacity.est_ttft())
+        full_budget = max(0.0, t.deadline - t.arrival - self.est_ttft(t.cls))
         if rate:
             # + 2 dispatch intervals of margin: a retry told the exact boundary would miss half the time.
             behind_all = self.ahead_of(t) + round(self.return_rate * len(self.reservations)) + 4 - max(0, self.free(t.cls, t.tenant))
@@ -340,6 +390,7 @@ class PoolQueue:
         self.inflight_tenant[t.tenant] = self.inflight_tenant.get(t.tenant, 0) + 1
         self.running.add(t)
         self.admitted_total += 1
+        self._start_prefill(t, now)
         w = self.weight_of(t.tenant)
         t.charged = t.tokens / w
         self.counters[t.tenant] = self.counters.get(t.tenant, 0.0) + t.charged
@@ -368,6 +419,7 @@ class PoolQueue:
     def pump(self, now: float) -> list[Ticket]:
         """Dispatch queued tickets into free slots; returns those admitted now."""
         self._now = now
+        self._prefills_due(now)
         out = []
         while (t := self._pop_next()) is not None:
             self._admit(t, now)
@@ -378,7 +430,7 @@ class PoolQueue:
         """The last dispatch time at which ``t`` still expects to meet its deadline and, for a class
         whose deadline is within the E2E SLO, the E2E SLO with the full pool's service time (a start
         that makes the TTFT deadline can still finish late: those were most of a burst's late answers)."""
-        latest = t.deadline - self.capacity.est_ttft()
+        latest = t.deadline - self.est_ttft(t.cls)
         if self.e2e_slo_s is not None and t.deadline - t.arrival <= self.e2e_slo_s:
             latest = min(latest, t.arrival + self.e2e_slo_s - self.capacity.est_e2e(t.max_tokens))
         return latest
@@ -399,6 +451,10 @@ class PoolQueue:
 
     def _overshoot_ok(self, t: Ticket) -> bool:
         cap = self.capacity
+        pending = self.prefill_pending(t.cls)
+        places = cap.prefill_places()
+        if pending is not None and places is not None and pending >= int(places * OVERSHOOT):
+            return False
         fill = int(cap.fill() * OVERSHOOT)
         if t.cls == 0:
             return self.inflight_cls[0] < int(cap.current() * OVERSHOOT) and self.inflight < fill
@@ -444,6 +500,8 @@ class PoolQueue:
         else:
             self.inflight_tenant.pop(t.tenant, None)
         self.running.discard(t)
+        if t.prefilling:
+            self._end_prefill(t)
         if actual_tokens is not None:
             w = self.weight_of(t.tenant)
             delta = actual_tokens / w - t.charged
@@ -452,6 +510,48 @@ class PoolQueue:
         if sample is not None:
             self.capacity.observe(sample, now)
         self.capacity.judge_live(now, self.inflight + 1)  # (what ran until now)
+        return self.pump(now)
+
+    # -- prefill places --
+    def _start_prefill(self, t: Ticket, now: float) -> None:
+        gate = self.pending_inter if self.capacity.priority_scheduling else self.pending
+        t.prefill_ahead = gate / self.capacity.count()
+        t.prefilling = True
+        self.pending += 1
+        if t.cls == 0:
+            self.pending_inter += 1
+        if not t.stream:
+            # A unary answer's first token is not seen: its place is deemed free once the prefills ahead
+            # and its own should have been answered (or when it ends, if sooner).
+            each = self.capacity.prefill_each
+            if each is not None:
+                heapq.heappush(self._prefill_due, (now + (t.prefill_ahead + 1.0) * each, next(self._seq), t))
+
+    def _end_prefill(self, t: Ticket) -> None:
+        t.prefilling = False
+        self.pending -= 1
+        if t.cls == 0:
+            self.pending_inter -= 1
+
+    def _prefills_due(self, now: float) -> None:
+        due = self._prefill_due
+        while due and due[0][0] <= now:
+            t = heapq.heappop(due)[2]
+            if t.prefilling:
+                self._end_prefill(t)
+
+    def next_prefill_due(self) -> float | None:
+        """When a unary prefill place is next deemed free (the filter pumps the queue then)."""
+        return self._prefill_due[0][0] if self._prefill_due else None
+
+    def first_token(self, t: Ticket, now: float) -> list[Ticket]:
+        """``t``'s first token was sent: its prefill place frees, the prefill limit learns, and queued
+        tickets may be dispatched into the place (returned, as ``pump`` returns them)."""
+        if not t.prefilling or t.state != "admitted":
+            return []
+        self._end_prefill(t)
+        if t.cls == 0 or not self.capacity.priority_scheduling:
+            self.capacity.observe_first_token(now - t.admitted_at, t.prefill_ahead)
         return self.pump(now)
 
     def next_deadline(self) -> float | None:
@@ -463,6 +563,7 @@ class PoolQueue:
 
     def stats(self) -> dict[str, Any]:
         return {"inflight": self.inflight, "inflight_by_class": dict(zip(PRIORITIES, self.inflight_cls)), "queued": self.depth(), "admitted": self.admitted_total,
+                "prefill_pending": self.pending,
                 "retry_reservations": len(self.reservations), "retries_honoured": self.retries_honoured,
                 "retry_return_rate": round(self.return_rate, 3),
                 "shed": dict(self.shed_total), "capacity": self.capacity.stats(),
