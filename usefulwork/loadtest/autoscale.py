@@ -364,6 +364,12 @@ class Simulation:
         self._finish_attempt(req, ok=True)
         self._end(req, "ok")
 
+    def _first_token(self, sim: SimRequest) -> None:
+        """A first token came out of this step: the proxy's first-token hook (the prefill limit learns)."""
+        req = self.by_sim.get(id(sim))
+        if req is not None and req.ticket is not None:
+            self._wake(self.queue.first_token(req.ticket, self.now))
+
     def _on_timeout(self, req: Req, outcome: str = "timeout") -> None:
         rep, sim = req.replica, req.sim
         rep.engine.abort(sim)
@@ -380,6 +386,8 @@ class Simulation:
             plan, rep.plan = rep.plan, None
             eng.complete_step(plan, self.now)
             for it in plan.items:
+                if self.queue is not None and it.req.num_output_tokens == 1:
+                    self._first_token(it.req)
                 if it.req.finish_time is not None and it.req.finish_reason in ("stop", "length"):
                     self._on_finished(it.req)
         else:

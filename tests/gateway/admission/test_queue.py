@@ -257,7 +257,7 @@ def test_capacity_grows_fast_from_cold_then_backs_off_on_slow_service():
     for i in range(10):
         cap.observe(Sample(ttft=0.2, tpot=0.02, service=4.2, tokens=640, ok=True, inflight_at_admit=8), t2 + i / 10)
     assert cap.decreases == 3 and cap.limit == pytest.approx(lim * 0.5 * 0.9)  # 5% over: the smallest cut (10%)
-    assert cap.drain_rate() == pytest.approx(cap.current() / cap.service)
+    assert cap.drain_rate() == pytest.approx(cap.current() / max(cap.service, cap.service_full or 0.0))
 
 
 def test_answers_admitted_before_a_cut_do_not_cut_the_limit_again():
