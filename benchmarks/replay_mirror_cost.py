@@ -6,7 +6,8 @@ three gateway variants in the same run, interleaved at every point: ``none`` (no
 ``none-again`` (a second identical ``none``: its difference from ``none`` is the run's noise floor, the
 "A/A" column); all have the shadow pool in their config. It prints the primary's added p50/p99 for each and the
 difference mirror - none (target, issue #13: at most 1 ms p99 added), with the gateway's CPU per request and
-how many requests were mirrored or not (by the mirror filter's own counters).
+how many requests were mirrored or not (by the mirror filter's own counters: mirrored / dropped for loop lag /
+dropped for the process's CPU / other drops).
 The healthy shadow mock runs on the client core (with the primary mock and the load generator), as a
 shadow fleet would run elsewhere; the gateway keeps its own core.
 
@@ -91,7 +92,8 @@ def main() -> int:
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; load average {os.getloadavg()[0]:.1f} "
           f"on {os.cpu_count()} cores")
     print(f"{'shadow':8} {'sample':>6} {'mode':>9} {'conc':>4} | {'none p50/p99 ms':>16} | {'mirror p50/p99 ms':>17} | "
-          f"{'mirror-none p99':>15} | {'A/A p99':>8} | {'CPU us/req none/mirror':>22} | errors | mirrored / gateway-busy / other drops")
+          f"{'mirror-none p99':>15} | {'A/A p99':>8} | {'CPU us/req none/mirror':>22} | errors | "
+          "mirrored / gateway lag / gateway CPU / other drops")
     with tempfile.TemporaryDirectory() as tmp_s:
         for kind in args.shadows.split(","):
             proc, url = start_shadow(kind, args.client_core)
@@ -107,14 +109,15 @@ def main() -> int:
                         aa = by[("none-again", mode, c)]["added_p99_ms"] - n["added_p99_ms"]  # the noise floor
                         floors.append(abs(aa))
                         fc = r["gateway"].get("filters", {})
-                        others = sum(v for k, v in fc.items() if k.startswith("mirror.dropped_")
-                                     and k != "mirror.dropped_gateway_busy")
+                        gw_busy = ("mirror.dropped_gateway_busy", "mirror.dropped_gateway_cpu")
+                        others = sum(v for k, v in fc.items() if k.startswith("mirror.dropped_") and k not in gw_busy)
                         worst = max(worst, d99)
                         print(f"{kind:8} {sample:6g} {mode:>9} {c:4d} | {n['added_p50_ms']:7.3f} / {n['added_p99_ms']:6.3f} "
                               f"| {r['added_p50_ms']:8.3f} / {r['added_p99_ms']:6.3f} | {d99:+15.3f} | {aa:+8.3f} | "
                               f"{n['gateway']['cpu_us_per_req']:10.0f} / {r['gateway']['cpu_us_per_req']:9.0f} | "
                               f"{n['gateway']['errors']}/{r['gateway']['errors']} | {fc.get('mirror.mirrored', 0)} / "
-                              f"{fc.get('mirror.dropped_gateway_busy', 0)} / {others}", flush=True)
+                              f"{fc.get('mirror.dropped_gateway_busy', 0)} / {fc.get('mirror.dropped_gateway_cpu', 0)} / {others}",
+                              flush=True)
             finally:
                 proc.terminate()
                 proc.wait(10)

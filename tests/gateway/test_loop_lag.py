@@ -1,6 +1,7 @@
 """LoopLag on a real event loop: a loop kept saturated by ready work (callbacks that each hold the CPU and
 make themselves ready again, as many busy requests do) shows lag; a free loop does not; one long stall on
-an otherwise free loop is ignored by the median."""
+an otherwise free loop is ignored by the median. The same probe's CPU figure: about one core while the
+loop computes, about none while it idles."""
 
 from __future__ import annotations
 
@@ -10,14 +11,19 @@ import time
 from usefulwork.gateway.loop_lag import LoopLag
 
 
-def saturate(loop: asyncio.AbstractEventLoop, chains: int, hold_s: float) -> list[bool]:
-    """``chains`` callbacks, each holding the CPU for ``hold_s`` and scheduling itself again; set
-    ``running[0] = False`` to stop them."""
+def saturate(loop: asyncio.AbstractEventLoop, chains: int, hold_s: float, spin: bool = False) -> list[bool]:
+    """``chains`` callbacks, each holding the loop for ``hold_s`` (sleeping, or with ``spin`` computing: using
+    the CPU) and scheduling itself again; set ``running[0] = False`` to stop them."""
     running = [True]
 
     def work() -> None:
         if running[0]:
-            time.sleep(hold_s)
+            if spin:
+                end = time.perf_counter() + hold_s
+                while time.perf_counter() < end:
+                    pass
+            else:
+                time.sleep(hold_s)
             loop.call_soon(work)
 
     for _ in range(chains):
@@ -73,3 +79,34 @@ def test_before_any_probe_the_lag_is_zero_and_busy_compares_to_a_threshold():
     assert lag.lag_ms == 0.0 and lag.max_lag_ms == 0.0 and not lag.busy(0.5)
     lag.recent.extend([0.0002, 0.003, 0.004])
     assert lag.lag_ms == 3.0 and lag.max_lag_ms == 4.0 and lag.busy(1.0) and not lag.busy(3.0)
+
+
+def test_the_cpu_fraction_is_about_one_core_while_the_loop_computes_and_about_none_while_it_idles():
+    async def scenario():
+        lag = LoopLag(interval_s=0.01, window=25)
+        lag.start()
+        await _wait_for(lambda: len(lag.clocks) == 26)
+        idle = lag.cpu_fraction
+        running = saturate(asyncio.get_running_loop(), chains=2, hold_s=0.002, spin=True)
+        await asyncio.sleep(0.6)  # a whole window of computing
+        burning = lag.cpu_fraction
+        running[0] = False
+        await _wait_for(lambda: lag.cpu_fraction < 0.3)
+        after = lag.cpu_fraction
+        lag.stop()
+        return idle, burning, after, len(lag.clocks)
+
+    idle, burning, after, n = asyncio.run(scenario())
+    # generous bounds: a shared test host may take part of the core away, or wake the idle loop now and then
+    assert burning > 0.6, burning
+    assert idle < 0.3 and after < 0.3, (idle, after)
+    assert n == 26  # the window: 25 intervals between the oldest and the newest probe
+
+
+def test_the_cpu_fraction_is_cpu_seconds_over_wall_seconds_of_the_window():
+    lag = LoopLag()
+    assert lag.cpu_fraction == 0.0 and not lag.cpu_busy(0.5)
+    lag.clocks.append((10.0, 3.0))
+    assert lag.cpu_fraction == 0.0  # one probe: no interval yet
+    lag.clocks.extend([(10.25, 3.1), (10.5, 3.4)])
+    assert abs(lag.cpu_fraction - 0.8) < 1e-9 and lag.cpu_busy(0.7) and not lag.cpu_busy(0.9)

@@ -80,10 +80,12 @@ def gateway(tmp_path, primary_url: str, shadow_url: str, ledger, filters=("mirro
                      {"name": "candidate", "models": [SHADOW_MODEL], "replicas": [shadow_url]}],
            "timeouts": {"health_interval_s": 0.5, "retry_after_down_s": 1.0},
            "filters": list(filters), "record": {"dir": str(tmp_path / "traffic"), "flush_interval_s": 0.05},
-           # The gateway-busy test (event-loop lag) is off here: these tests count the other reasons exactly, and a
-           # test machine's own noise would make the loop late now and then; it is tested in-process below.
+           # The gateway-busy tests (event-loop lag, process CPU) are off here: these tests count the other reasons
+           # exactly, and a test machine's own noise (or a burst of requests) would trip them now and then; they
+           # are tested in-process below.
            "shadow": {"pool": "candidate", "sample": 1.0, "timeout_s": 2.0, "max_inflight": 4,
-                      "dir": str(tmp_path / "shadow"), "busy_loop_lag_ms": None, **(shadow or {})},
+                      "dir": str(tmp_path / "shadow"), "busy_loop_lag_ms": None, "busy_cpu_fraction": None,
+                      **(shadow or {})},
            "ledger": {"jsonl_path": str(ledger), "flush_interval_s": 0.1}, **over}
     return start_gateway(tmp_path, cfg, wait_ready=False)
 
@@ -272,11 +274,24 @@ def test_shadow_work_is_never_counted_against_tenant_limits(sims, tmp_path):
     assert {r["pool"] for r in recs if r["outcome"] == "ok"} == {"primary"}  # no shadow (candidate) work booked
 
 
-def test_a_saturated_gateway_loop_makes_the_mirror_drop_and_a_free_one_mirrors(sims, tmp_path):
-    """In-process, on a real event loop: while the loop is saturated (ready work queued ahead of every
-    callback, as a gateway core serving more than it can makes), the request is not mirrored
-    (``dropped_gateway_busy``); once the loop is free again, the next request is mirrored to the real
-    shadow simulator and answered there."""
+# signal: the shadow settings that test it alone, how the loop is kept busy (test_loop_lag.saturate), the
+# reading, its threshold, and the drop reason
+GATEWAY_BUSY = {
+    # ready work queued ahead of every callback (sleeping holds: lag without CPU)
+    "loop_lag": ({"busy_loop_lag_ms": 2.0, "busy_cpu_fraction": None}, {"chains": 4, "hold_s": 0.002},
+                 lambda lag: lag.lag_ms, 2.0, "dropped_gateway_busy"),
+    # one chain computing in short slices, as streams do: little lag, a whole core used
+    "cpu": ({"busy_loop_lag_ms": None, "busy_cpu_fraction": 0.5}, {"chains": 1, "hold_s": 0.0005, "spin": True},
+            lambda lag: lag.cpu_fraction, 0.5, "dropped_gateway_cpu"),
+}
+
+
+@pytest.mark.parametrize("signal", list(GATEWAY_BUSY))
+def test_a_saturated_gateway_makes_the_mirror_drop_and_a_free_one_mirrors(sims, tmp_path, signal):
+    """In-process, on a real event loop: while the gateway's own core is saturated (``loop_lag``: ready work
+    queued ahead of every callback, as a gateway core serving more than it can makes; ``cpu``: the process
+    using the whole core), the request is not mirrored (``dropped_gateway_busy`` / ``dropped_gateway_cpu``);
+    once the loop is free again, the next request is mirrored to the real shadow simulator and answered there."""
     from tests.gateway.test_loop_lag import saturate  # noqa: PLC0415
     from usefulwork import config  # noqa: PLC0415
     from usefulwork.gateway.context import NullAccountant, RequestContext  # noqa: PLC0415
@@ -284,13 +299,14 @@ def test_a_saturated_gateway_loop_makes_the_mirror_drop_and_a_free_one_mirrors(s
     from usefulwork.gateway.pipeline import Call, Reply, Services  # noqa: PLC0415
     from usefulwork.upstream.fleet import Fleet  # noqa: PLC0415
 
+    shadow_over, load, reading, threshold, reason = GATEWAY_BUSY[signal]
     primary, shadow = sims
     cfg = config.from_mapping({
         "pools": [{"name": "primary", "models": [MODEL], "replicas": [primary.base_url]},
                   {"name": "candidate", "models": [SHADOW_MODEL], "replicas": [shadow.base_url]}],
         "filters": ["mirror"], "timeouts": {"health_interval_s": 0.2},
-        "shadow": {"pool": "candidate", "sample": 1.0, "busy_loop_lag_ms": 2.0, "drop_when_saturated": False,
-                   "dir": str(tmp_path / "shadow")}}, environ={})
+        "shadow": {"pool": "candidate", "sample": 1.0, "drop_when_saturated": False, "dir": str(tmp_path / "shadow"),
+                   **shadow_over}}, environ={})
 
     async def answer(call: Call) -> Reply:
         return Reply(status=200, headers=[], body=b"{}")
@@ -312,23 +328,24 @@ def test_a_saturated_gateway_loop_makes_the_mirror_drop_and_a_free_one_mirrors(s
         await mirror.start()
         try:
             await until(lambda: bool(fleet.pools["candidate"].healthy_replicas()))  # the prober marks it up
-            running = saturate(asyncio.get_running_loop(), chains=4, hold_s=0.002)  # ~8 ms ahead of each probe
-            await until(lambda: mirror.lag.lag_ms > 2.0)
-            lag_then = mirror.lag.lag_ms
+            running = saturate(asyncio.get_running_loop(), **load)
+            await until(lambda: reading(mirror.lag) > threshold)
+            busy_then = reading(mirror.lag)
             assert (await mirror(call_for(1), answer)).status == 200
             after_busy = dict(mirror.counts)
             running[0] = False
-            await until(lambda: mirror.lag.lag_ms < 2.0)  # free again (a noisy host may take a moment)
-            free_lag = mirror.lag.lag_ms
+            await until(lambda: reading(mirror.lag) < threshold)  # free again (a noisy host may take a moment)
+            free_then = reading(mirror.lag)
             assert (await mirror(call_for(2), answer)).status == 200
             await asyncio.wait(list(mirror.tasks), timeout=10)
-            return lag_then, after_busy, free_lag, dict(mirror.counts)
+            return busy_then, after_busy, free_then, dict(mirror.counts)
         finally:
             await mirror.stop()
             await fleet.stop()
 
-    lag_then, after_busy, free_lag, final = asyncio.run(scenario())
-    assert lag_then > 2.0, lag_then
-    assert after_busy["dropped_gateway_busy"] == 1 and after_busy["mirrored"] == 0, after_busy
-    assert free_lag < 2.0, free_lag
-    assert final["mirrored"] == 1 and final["ok"] == 1 and final["dropped_gateway_busy"] == 1, final
+    busy_then, after_busy, free_then, final = asyncio.run(scenario())
+    assert busy_then > threshold, busy_then
+    assert after_busy[reason] == 1 and after_busy["mirrored"] == 0, after_busy
+    assert free_then < threshold, free_then
+    assert final["mirrored"] == 1 and final["ok"] == 1 and final[reason] == 1, final
+    assert sum(v for k, v in final.items() if k.startswith("dropped_")) == 1, final  # by this signal alone

@@ -18,9 +18,12 @@ arrives: ``dropped_primary_busy`` when the gateway's in-flight leases on the pri
 replica reports saturation as last scraped (the admission filter's test: vLLM's waiting queue above a
 quarter of its running requests, or KV-cache usage above ``admission.kv_high``); ``dropped_busy`` when
 ``shadow.max_inflight`` shadow requests are already running; ``dropped_down`` when no shadow replica is
-usable; ``dropped_gateway_busy`` when the gateway process itself is saturated: ready work on its event
-loop waits more than ``shadow.busy_loop_lag_ms`` to run (the median of the last half second's probes,
-``usefulwork.gateway.loop_lag``).
+usable; and two tests of the gateway process itself being saturated (``usefulwork.gateway.loop_lag``, one
+probe 50 times a second, figures over its last half second): ``dropped_gateway_busy`` when ready work on
+its event loop waits more than ``shadow.busy_loop_lag_ms`` to run (the median probe wait),
+``dropped_gateway_cpu`` when the process used more than ``shadow.busy_cpu_fraction`` of one core. The
+second catches streams: they keep the core busy in short slices, each callback quick, so the loop lag
+stays under 1 ms on a core with no idle time left.
 A shadow copy costs the gateway a second forward; on a saturated core that CPU would queue every primary
 request behind it, so it is the first work to go.
 Each shadow request's result is written as a traffic-log record (``usefulwork.gateway.recording``) to
@@ -64,6 +67,9 @@ class ShadowCfg(BaseModel):
     busy_loop_lag_ms: float | None = Field(
         1.0, gt=0, description="Not mirrored while ready work on the gateway's event loop waits longer than this "
         "to run (ms, the median of the last 0.5 s of probes): the gateway's own core is saturated. None: no such test.")
+    busy_cpu_fraction: float | None = Field(
+        0.9, gt=0, le=1, description="Not mirrored while the gateway process used more than this fraction of one "
+        "core over the last 0.5 s (its CPU clock, read by the same probe; per worker process). None: no such test.")
     drop_when_saturated: bool = Field(
         True, description="Not mirrored while a primary replica reports saturation as last scraped (the "
         "admission filter's test: waiting > max(1, running/4), or KV-cache usage > admission.kv_high).")
@@ -91,14 +97,14 @@ class MirrorFilter:
         self.fleet = services.fleet
         self.kv_high = services.cfg.admission.kv_high
         self.counts = {"mirrored": 0, "ok": 0, "failed": 0, "dropped_primary_busy": 0,
-                       "dropped_primary_saturated": 0, "dropped_gateway_busy": 0, "dropped_busy": 0,
-                       "dropped_down": 0}
+                       "dropped_primary_saturated": 0, "dropped_gateway_busy": 0, "dropped_gateway_cpu": 0,
+                       "dropped_busy": 0, "dropped_down": 0}
         self.lag = LoopLag()
         self._counter = None if services.meter is None else services.meter.create_counter(
             "usefulwork.shadow.requests", unit="{request}",
             description="Mirrored requests by result: mirrored, ok, failed, or why one was not mirrored "
-                        "(dropped_primary_busy, dropped_primary_saturated, dropped_gateway_busy, dropped_busy, "
-                        "dropped_down).")
+                        "(dropped_primary_busy, dropped_primary_saturated, dropped_gateway_busy, dropped_gateway_cpu, "
+                        "dropped_busy, dropped_down).")
         self.log = TrafficLog(RecordCfg(dir=cfg.dir, redact=services.cfg.record.redact))
         self._rand = random.random
 
@@ -129,10 +135,16 @@ class MirrorFilter:
             return "dropped_primary_saturated"
         return None
 
+    def _gateway_busy(self) -> str | None:
+        """Why the gateway process's own core is too busy for a second forward now (None: it is not)."""
+        if self.cfg.busy_loop_lag_ms is not None and self.lag.busy(self.cfg.busy_loop_lag_ms):
+            return "dropped_gateway_busy"
+        if self.cfg.busy_cpu_fraction is not None and self.lag.cpu_busy(self.cfg.busy_cpu_fraction):
+            return "dropped_gateway_cpu"
+        return None
+
     def _mirror(self, call: Call) -> None:
-        busy = self._primary_busy(call)
-        if busy is None and self.cfg.busy_loop_lag_ms is not None and self.lag.busy(self.cfg.busy_loop_lag_ms):
-            busy = "dropped_gateway_busy"
+        busy = self._primary_busy(call) or self._gateway_busy()
         if busy is not None:
             self._count(busy)
             return
@@ -190,7 +202,7 @@ class MirrorFilter:
 
     async def start(self) -> None:
         self.log.start()
-        if self.cfg.busy_loop_lag_ms is not None:
+        if self.cfg.busy_loop_lag_ms is not None or self.cfg.busy_cpu_fraction is not None:
             self.lag.start()
 
     async def stop(self) -> None:
@@ -203,6 +215,6 @@ class MirrorFilter:
 
     def stats(self) -> dict[str, Any]:
         return {**self.counts, "inflight": len(self.tasks), "loop_lag_ms": round(self.lag.lag_ms, 3),
-                "loop_lag_max_ms": round(self.lag.max_lag_ms, 3),
+                "loop_lag_max_ms": round(self.lag.max_lag_ms, 3), "cpu_fraction": round(self.lag.cpu_fraction, 3),
                 "pool": self.cfg.pool, "sample": self.cfg.sample,
                 "written": self.log.written, "dropped_write": self.log.dropped_write + self.log.dropped_queue}
