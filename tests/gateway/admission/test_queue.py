@@ -661,21 +661,3 @@ def test_unary_prefill_place_is_deemed_free_after_its_expected_prefill():
     assert q.first_token(c, 0.9) == [] and q.pending == 1
     q.release(b, 0.95)
     assert q.pending == 0 and cap.prefill_samples == 1
-
-
-def test_requests_shed_one_after_another_are_told_later_and_later_even_before_any_retry_came_back():
-    """Retry-After spreads the retries out: each shed request comes back after the places promised before
-    it, also while no retry has come back yet (the return rate is still 0)."""
-    q = make_queue(limit=2, service_s=4.0)
-    for i in range(2):
-        assert q.offer(ticket(0.0), 0.0).kind == "admit"
-    assert q.return_rate == 0.0
-    afters = []
-    for i in range(6):
-        t = ticket(0.1 * (i + 1), deadline_s=0.5)
-        t.key = 100 + i
-        d = q.offer(t, t.arrival)
-        assert d.kind == "shed"
-        afters.append(t.arrival + d.retry_after_s)
-    gaps = [b - a for a, b in zip(afters, afters[1:])]
-    assert all(g >= 0.9 * 4.0 / 2 for g in gaps), afters  # one slot's drain interval (service / limit) apart

@@ -315,12 +315,7 @@ class PoolQueue:
         full_budget = max(0.0, t.deadline - t.arrival - self.est_ttft(t.cls))
         if rate:
             # + 2 dispatch intervals of margin: a retry told the exact boundary would miss half the time.
-            # Every place already promised counts here, whatever the return rate: that rate says how far
-            # new arrivals respect held places; weighting by it here told every request shed while it was
-            # still low (a fresh gateway, or clients that had not come back yet) the same time, and their
-            # retries came back together into a pool with room for one (on the CPU vLLM, 10 of 26 first
-            # retries admitted).
-            behind_all = self.ahead_of(t) + len(self.reservations) + 4 - max(0, self.free(t.cls, t.tenant))
+            behind_all = self.ahead_of(t) + round(self.return_rate * len(self.reservations)) + 4 - max(0, self.free(t.cls, t.tenant))
             retry = max(0.0, behind_all / rate - QUEUE_SAFETY * full_budget)
         else:
             retry = 1.0
