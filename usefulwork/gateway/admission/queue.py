@@ -552,7 +552,7 @@ class PoolQueue:
         self._end_prefill(t)
         if t.cls == 0 or not self.capacity.priority_scheduling:
             self.capacity.observe_first_token(now - t.admitted_at, t.prefill_ahead)
-        return self.pump(now)
+        return self.pump(now) if self.queued else []
 
     def next_deadline(self) -> float | None:
         """When ``expire`` next has work: the earliest latest start of a queued ticket."""
