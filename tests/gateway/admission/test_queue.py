@@ -661,25 +661,3 @@ def test_unary_prefill_place_is_deemed_free_after_its_expected_prefill():
     assert q.first_token(c, 0.9) == [] and q.pending == 1
     q.release(b, 0.95)
     assert q.pending == 0 and cap.prefill_samples == 1
-
-
-def test_cold_pool_holds_a_slot_for_what_first_tokens_and_the_live_decode_speed_say():
-    """Before any request has ended, the slot's hold time comes from the first tokens and the replicas'
-    live decode speed, not the whole E2E SLO: a request that a slot frees for in time is queued, not shed."""
-    c = AdmissionCfg(initial_concurrency=2)
-    cap = Capacity(c, 5.0, 0.15, 30.0, replica_count=lambda: 1)
-    q = PoolQueue("p", cap, e2e_slo_s=30.0)
-    for _ in range(2):
-        assert q.offer(Ticket("a", 0, 640.0, 0.0, 5.0, max_tokens=100), 0.0).kind == "admit"
-    late = Ticket("a", 0, 640.0, 5.0, 10.0, max_tokens=100)
-    assert cap.cold_hold(100) == 30.0  # nothing measured yet: the whole E2E SLO
-    assert q.offer(late, 5.0).kind == "shed"
-    cap.prefill_each, cap.live_tpot = 0.5, 0.04  # first tokens came at 0.5 s; the replicas decode at 40 ms
-    assert cap.cold_hold(100) == pytest.approx(1.5 * (0.5 + 4.0))
-    again = Ticket("a", 0, 640.0, 5.0, 10.0, max_tokens=100)
-    assert q.offer(again, 5.0).kind == "queue"  # a slot frees at 6.75 s: within its budget
-    unknown = Ticket("a", 0, 640.0, 5.0, 10.0, max_tokens=None)
-    q2 = PoolQueue("p2", cap, e2e_slo_s=30.0)
-    for _ in range(2):
-        q2.offer(Ticket("a", 0, 640.0, 0.0, 5.0, max_tokens=None), 0.0)
-    assert q2.offer(unknown, 5.0).kind == "shed"  # no max_tokens: no length to price

@@ -222,18 +222,6 @@ class Capacity:
         measured (slots are waited for only when the pool is full), else the overall one."""
         return max(self.service or 0.0, self.service_full or 0.0) + 2.0 * self.service_dev
 
-    def cold_hold(self, max_tokens: float | None) -> float:
-        """How long a slot is held before any request has ended (no service time yet): from what comes
-        sooner, the first tokens (``prefill_each``, or the measured TTFT) and the replicas' live decode
-        speed, for ``max_tokens`` tokens, with half again as margin (no deviation is known yet); the
-        whole E2E SLO while either is unknown. (Assuming the E2E SLO until the first answer ended shed 8
-        of 37 requests of the real CPU vLLM's steady 0.6 req/s cell in its first 10 s, which admission off
-        served within the SLO: there a slot is held 6-9 s, not 30.)"""
-        ttft = max(self.est_ttft(), self.prefill_each or 0.0)
-        if self.live_tpot is None or not max_tokens or not ttft:
-            return self.slo_e2e_s
-        return min(self.slo_e2e_s, 1.5 * (ttft + self.live_tpot * max_tokens))
-
     def est_ttft(self) -> float:
         """Service TTFT that a request should budget for: the mean plus two mean deviations."""
         return (self.svc_ttft or 0.0) + 2.0 * self.ttft_dev

@@ -237,11 +237,7 @@ class PoolQueue:
         held for another service time. Continuous batching releases in clumps (requests admitted
         together finish together): a fluid drain rate would promise slots that come later."""
         cap = self.capacity
-        if cap.service:
-            service = cap.slot_hold()
-        else:  # cold: from the first tokens and the live decode speed, for the running requests' max_tokens
-            tokens = [x.max_tokens for x in self.running]
-            service = cap.cold_hold(None if None in tokens else sum(tokens) / len(tokens))
+        service = cap.slot_hold() if cap.service else (cap.slo_e2e_s or 0.0)
         starts = sorted(x.admitted_at for x in self.running)
         rounds, i = divmod(position - 1, len(starts))
         return max(1e-3, starts[i] + service * (rounds + 1) - now)  # overdue: any moment (not "now": no slot is free)
