@@ -661,3 +661,29 @@ def test_unary_prefill_place_is_deemed_free_after_its_expected_prefill():
     assert q.first_token(c, 0.9) == [] and q.pending == 1
     q.release(b, 0.95)
     assert q.pending == 0 and cap.prefill_samples == 1
+
+
+def test_cold_pool_grows_its_limit_on_first_tokens_while_the_live_decode_speed_is_fast():
+    """Before any answer ends, fast first tokens of requests admitted at the limit grow it while the
+    replicas decode well under the TPOT target; a slow decode, a slow first token or an untested limit
+    does not, and once answers end the samples take over."""
+    c = AdmissionCfg(initial_concurrency=8)
+    cap = Capacity(c, 5.0, 0.15, 30.0, replica_count=lambda: 1)
+    cap.observe_first_token(0.7, 0.0, inflight_at_admit=7)
+    assert cap.limit == 8  # no live decode speed yet
+    cap.live_tpot = 0.06  # under 0.8 x 112.5 ms
+    cap.observe_first_token(0.7, 0.0, inflight_at_admit=1)
+    assert cap.limit == 8  # admitted far under the limit: it was not tested
+    cap.observe_first_token(3.5, 0.0, inflight_at_admit=7)
+    assert cap.limit == 8  # a first token near the TTFT target
+    for i in range(3):
+        cap.observe_first_token(0.7, 0.0, inflight_at_admit=7 + i)
+    assert cap.limit == 11
+    cap.live_tpot = 0.1
+    cap.observe_first_token(0.7, 0.0, inflight_at_admit=10)
+    assert cap.limit == 11  # decoding near the TPOT target: hold
+    cap.live_tpot = 0.06
+    cap.observe(Sample(ttft=0.7, tpot=0.06, service=8.0, tokens=640, ok=True, inflight_at_admit=10), 20.0)
+    limit = cap.limit
+    cap.observe_first_token(0.7, 0.0, inflight_at_admit=12)
+    assert cap.limit == limit  # an answer has ended: samples judge the limit from now on

@@ -268,9 +268,11 @@ class Capacity:
             self._cut(new, now)
             self.live_decreases += 1
 
-    def observe_first_token(self, ttft: float, ahead: float) -> None:
+    def observe_first_token(self, ttft: float, ahead: float, inflight_at_admit: int = 0) -> None:
         """A stream's first token: ``ttft`` seconds after admission, with ``ahead`` prefills per replica
-        pending ahead of it then (of the kind the gate counts: see ``PoolQueue.prefill_pending``)."""
+        pending ahead of it then (of the kind the gate counts: see ``PoolQueue.prefill_pending``) and
+        ``inflight_at_admit`` requests in flight."""
+        self._slow_start(ttft, inflight_at_admit)
         self.prefill_each = _ewma(self.prefill_each, ttft / (ahead + 1.0))
         self.prefill_samples += 1
         if self.prefill_limit is None:
@@ -286,6 +288,24 @@ class Capacity:
                     self.prefill_decreases += 1
         elif ttft < 0.8 * self.ttft_target and ahead + 2.0 >= self.prefill_limit:
             self.prefill_limit += 1.0 / self.count()
+
+    def _slow_start(self, ttft: float, inflight_at_admit: int) -> None:
+        """Until the pool's first answer ends, the SLO limit grows on leading signals: a first token under
+        80% of the TTFT target, of a request admitted with at least half the limit in flight, while the
+        replicas' live decode speed is under 80% of the TPOT target (so E2E, which is TTFT plus the
+        tokens at that speed, is within its target too) and they are not saturated: by one, as a fast
+        sample would. A cold pool otherwise held ``initial_concurrency`` until its first answer: on the
+        CPU vLLM 8 in flight and a first answer at 10.9 s shed 8 of a steady cell's 37 requests that
+        admission off served within the SLO."""
+        if self.samples or self.live_tpot is None or self.live_tpot >= 0.8 * self.tpot_target \
+                or ttft >= 0.8 * self.ttft_target or self.saturated():
+            return
+        n = self.count()
+        if inflight_at_admit / n + 1 >= 0.5 * self.limit:
+            self.limit += 1.0 / n
+            if self.cfg.max_concurrency is not None:
+                self.limit = min(self.limit, self.cfg.max_concurrency / n)
+            self.batch_limit = max(self.batch_limit, self.limit)
 
     def _cut_to(self, base: float, overshoot: float, n: int) -> float:
         """A cut limit: ``base`` in proportion to the overshoot (at least 10%, at most half), never under

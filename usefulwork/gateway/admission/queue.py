@@ -551,7 +551,7 @@ class PoolQueue:
             return []
         self._end_prefill(t)
         if t.cls == 0 or not self.capacity.priority_scheduling:
-            self.capacity.observe_first_token(now - t.admitted_at, t.prefill_ahead)
+            self.capacity.observe_first_token(now - t.admitted_at, t.prefill_ahead, t.inflight_at_admit)
         return self.pump(now) if self.queued else []
 
     def next_deadline(self) -> float | None:
