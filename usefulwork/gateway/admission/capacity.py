@@ -197,11 +197,11 @@ class Capacity:
         """The fill limit to apply now (never below the SLO limit)."""
         return self.limits()[1]
 
-    def prefill_places(self, reps: Iterable | None = None) -> int | None:
+    def prefill_places(self) -> int | None:
         """The prefill limit to apply now, for the pool (None: no gate yet, or ``prefill_gate`` off)."""
         if self.prefill_limit is None or not self.cfg.prefill_gate:
             return None
-        return max(1, int(self.prefill_limit * self.count(reps)))
+        return max(1, int(self.prefill_limit * self.count()))
 
     def prefill_wait(self, position: int) -> float:
         """Seconds until ``position`` more pending prefills have been answered (pool-wide)."""
@@ -302,10 +302,7 @@ class Capacity:
             return
         n = self.count()
         if inflight_at_admit / n + 1 >= 0.5 * self.limit:
-            self.limit += 1.0 / n
-            if self.cfg.max_concurrency is not None:
-                self.limit = min(self.limit, self.cfg.max_concurrency / n)
-            self.batch_limit = max(self.batch_limit, self.limit)
+            self._grow(1.0 / n, n)
 
     def _cut_to(self, base: float, overshoot: float, n: int) -> float:
         """A cut limit: ``base`` in proportion to the overshoot (at least 10%, at most half), never under
@@ -397,10 +394,14 @@ class Capacity:
         # near them, all of it.
         fast = load < 0.8
         if per_replica + 1 >= (0.5 if fast else 1.0) * self.limit:
-            self.limit += (1.0 if fast else 1.0 / (self.limit * n)) / n
-            if self.cfg.max_concurrency is not None:
-                self.limit = min(self.limit, self.cfg.max_concurrency / n)
-            self.batch_limit = max(self.batch_limit, self.limit)
+            self._grow((1.0 if fast else 1.0 / (self.limit * n)) / n, n)
+
+    def _grow(self, step: float, n: int) -> None:
+        """Raise the SLO limit by ``step`` per replica, within ``max_concurrency``; the fill limit follows."""
+        self.limit += step
+        if self.cfg.max_concurrency is not None:
+            self.limit = min(self.limit, self.cfg.max_concurrency / n)
+        self.batch_limit = max(self.batch_limit, self.limit)
 
     def _learn_fill(self, s: Sample, now: float, n: int) -> None:
         if self.queueing():

@@ -147,13 +147,18 @@ class PoolQueue:
             return self.pending_inter if cls == 0 else None
         return self.pending
 
-    def prefill_free(self, cls: int) -> int | None:
-        """Prefill places free for class ``cls`` (None: no gate for it)."""
+    def prefill_gate(self, cls: int) -> tuple[int, int] | None:
+        """(pending prefills, prefill places) that gate class ``cls`` now (None: no gate for it)."""
         pending = self.prefill_pending(cls)
         if pending is None:
             return None
         places = self.capacity.prefill_places()
-        return None if places is None else places - pending
+        return None if places is None else (pending, places)
+
+    def prefill_free(self, cls: int) -> int | None:
+        """Prefill places free for class ``cls`` (None: no gate for it)."""
+        gate = self.prefill_gate(cls)
+        return None if gate is None else gate[1] - gate[0]
 
     def slot_free(self, cls: int, tenant: str | None = None) -> int:
         """Slots a ticket of class ``cls`` (of ``tenant``) may take now (interactive: its own SLO limit,
@@ -255,10 +260,10 @@ class PoolQueue:
         find pending (at most the gate's places less its own) plus its own, if that is longer. (The
         measured TTFT comes with answers that end; a burst fills the pending prefills seconds sooner.)"""
         est = self.capacity.est_ttft()
-        pending = self.prefill_pending(cls)
-        places = self.capacity.prefill_places()
-        if pending is None or places is None:
+        gate = self.prefill_gate(cls)
+        if gate is None:
             return est
+        pending, places = gate
         return max(est, self.capacity.prefill_wait(min(pending, places - 1) + 1))
 
     def offer(self, t: Ticket, now: float) -> Decision:
@@ -451,9 +456,8 @@ class PoolQueue:
 
     def _overshoot_ok(self, t: Ticket) -> bool:
         cap = self.capacity
-        pending = self.prefill_pending(t.cls)
-        places = cap.prefill_places()
-        if pending is not None and places is not None and pending >= int(places * OVERSHOOT):
+        gate = self.prefill_gate(t.cls)
+        if gate is not None and gate[0] >= int(gate[1] * OVERSHOOT):
             return False
         fill = int(cap.fill() * OVERSHOOT)
         if t.cls == 0:
@@ -514,8 +518,7 @@ class PoolQueue:
 
     # -- prefill places --
     def _start_prefill(self, t: Ticket, now: float) -> None:
-        gate = self.pending_inter if self.capacity.priority_scheduling else self.pending
-        t.prefill_ahead = gate / self.capacity.count()
+        t.prefill_ahead = self.prefill_pending(0) / self.capacity.count()  # (what an interactive prefill waits behind)
         t.prefilling = True
         self.pending += 1
         if t.cls == 0:
@@ -550,7 +553,7 @@ class PoolQueue:
         if not t.prefilling or t.state != "admitted":
             return []
         self._end_prefill(t)
-        if t.cls == 0 or not self.capacity.priority_scheduling:
+        if self.prefill_pending(t.cls) is not None:  # (a class the gate counts)
             self.capacity.observe_first_token(now - t.admitted_at, t.prefill_ahead, t.inflight_at_admit)
         return self.pump(now) if self.queued else []
 
