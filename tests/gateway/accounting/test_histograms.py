@@ -67,3 +67,15 @@ def test_cumulative_across_collections_and_nothing_before_the_first_record():
     book.record("h", 50.0)
     p = _points(reader, "h")[()]
     assert p.count == 3 and list(p.bucket_counts) == [0, 0, 1, 1, 1]
+
+
+def test_a_series_made_ahead_of_its_first_value_is_not_exported_until_it_has_one():
+    book = HistogramBook()
+    book.define("h", "s", "d", [1.0, 10.0])
+    ahead = book.series("h", (("k", "v"),))
+    assert book.metrics() == []
+    ahead.add(0.5)
+    book.record("h", 5.0, (("k", "w"),))
+    points = {tuple(p.attributes.items()): p for m in book.metrics() for p in m.data.data_points}
+    assert points[(("k", "v"),)].count == 1 and points[(("k", "v"),)].bucket_counts == [1, 0, 0]
+    assert points[(("k", "w"),)].sum == 5.0

@@ -47,3 +47,20 @@ def _close(a, b) -> bool:
     if isinstance(a, float) or isinstance(b, float):
         return abs(a - b) <= 1e-9 * max(1.0, abs(a), abs(b))
     return a == b
+
+
+def test_a_batch_adds_the_same_as_its_rows_one_by_one():
+    rng = random.Random(5)
+    now = time.time()
+    meters = {p: PoolMeter(p, 3.6, now - 1000, 1.0) for p in "pq"}
+    rows = _rows(rng, now, 600)
+    one_by_one, batched = Stats(meters), Stats(meters)
+    for row in rows:
+        one_by_one.add(row)
+    batched.add_many(rows[:300])  # the ledger's pass: a slice at a time
+    batched.add_many(rows[300:])
+    assert batched.started_at == one_by_one.started_at
+    assert _close(batched.snapshot(now, with_series=True), one_by_one.snapshot(now, with_series=True))
+    no_meters = Stats({})
+    no_meters.add_many(rows)
+    assert no_meters.started_at == rows[0].t_end  # the first request, as add() sets it

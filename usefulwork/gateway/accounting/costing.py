@@ -150,12 +150,12 @@ class PoolMeter:
     # -- booking --
     def book(self, share: Share, spans: Iterable[tuple[float, float, float]]) -> None:
         """Book work given as (start, end, work) spans (wall-clock seconds)."""
+        if self.closed:
+            return  # after shutdown's final settlement nothing can be paid any more
+        lo = self._t(max(self.settled_k, self.floor_k))
         for a, b, w in spans:
             if w <= 0:
                 continue
-            lo = self._t(max(self.settled_k, self.floor_k))
-            if self.closed:
-                continue  # after shutdown's final settlement nothing can be paid any more
             if b <= lo:
                 a = b = lo  # entirely before the frontier: into the first open interval
             elif a < lo:

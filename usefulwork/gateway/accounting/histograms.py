@@ -25,13 +25,23 @@ Attrs = tuple[tuple[str, Any], ...]
 
 
 class _Series:
-    __slots__ = ("counts", "sum", "min", "max")
+    __slots__ = ("bounds", "counts", "sum", "min", "max")
 
-    def __init__(self, n: int):
-        self.counts = [0] * n
+    def __init__(self, bounds: list[float]):
+        self.bounds = bounds  # the histogram's (shared, never changed)
+        self.counts = [0] * (len(bounds) + 1)
         self.sum = 0.0
         self.min = float("inf")
         self.max = float("-inf")
+
+    def add(self, value: float) -> None:
+        # OTel explicit buckets are (previous bound, bound]: bisect_left puts a value equal to a bound in its bucket.
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+        if value < self.min:
+            self.min = value
+        if value > self.max:
+            self.max = value
 
 
 class _Histogram:
@@ -43,18 +53,6 @@ class _Histogram:
         self.description = description
         self.bounds = list(bounds)
         self.series: dict[Attrs, _Series] = {}
-
-    def record(self, value: float, attrs: Attrs) -> None:
-        s = self.series.get(attrs)
-        if s is None:
-            s = self.series[attrs] = _Series(len(self.bounds) + 1)
-        # OTel explicit buckets are (previous bound, bound]: bisect_left puts a value equal to a bound in its bucket.
-        s.counts[bisect_left(self.bounds, value)] += 1
-        s.sum += value
-        if value < s.min:
-            s.min = value
-        if value > s.max:
-            s.max = value
 
 
 class HistogramBook:
@@ -72,22 +70,30 @@ class HistogramBook:
 
     def record(self, name: str, value: float, attrs: Attrs = ()) -> None:
         h = self._hists[name]
-        if attrs not in h.series:
-            with self._lock:
-                h.record(value, attrs)
-            return
-        h.record(value, attrs)
+        s = h.series.get(attrs)
+        if s is None:
+            s = self.series(name, attrs)
+        s.add(value)
+
+    def series(self, name: str, attrs: Attrs = ()) -> _Series:
+        """One attribute set's series (made on first use), for a caller that records into it directly."""
+        h = self._hists[name]
+        s = h.series.get(attrs)
+        if s is None:
+            with self._lock:  # a reader thread may be iterating the series
+                s = h.series[attrs] = _Series(h.bounds)
+        return s
 
     def metrics(self) -> list[Metric]:
         now = time.time_ns()
         out = []
         with self._lock:
             for h in self._hists.values():
-                points = [
+                points = [  # a series made ahead of its first value (``series``) is not shown until it has one
                     HistogramDataPoint(attributes=dict(attrs), start_time_unix_nano=self._start_ns, time_unix_nano=now,
-                                       count=sum(s.counts), sum=s.sum, bucket_counts=list(s.counts),
+                                       count=n, sum=s.sum, bucket_counts=list(s.counts),
                                        explicit_bounds=list(h.bounds), min=s.min, max=s.max)
-                    for attrs, s in list(h.series.items())
+                    for attrs, s in list(h.series.items()) if (n := sum(s.counts))
                 ]
                 if points:
                     out.append(Metric(name=h.name, description=h.description, unit=h.unit,

@@ -53,6 +53,7 @@ TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
 
 OPERATION = {"chat": "chat", "completions": "text_completion"}
+MAX_PLANS = 4096  # label sets remembered by Telemetry.record (see _plan)
 
 # The Prometheus reader of the most recently built app. Registering a second one would make
 # /metrics repeat every series (tests build several apps in one process): the newest replaces it.
@@ -152,6 +153,14 @@ class Telemetry:
             ("usefulwork.admission.decisions", "{decision}", "Admission outcome per request."),
         ):
             self._sums[name] = self.fast_meter.create_counter(name, unit=unit, description=desc)
+        self._requests = self._sums["usefulwork.requests"]
+        self._generated = self._sums["usefulwork.generated.tokens"]
+        self._cost = self._sums["usefulwork.cost.usd"]
+        self._lookups = self._sums["usefulwork.cache.lookups"]
+        self._routing = self._sums["usefulwork.routing.decisions"]
+        self._admission = self._sums["usefulwork.admission.decisions"]
+        self._intake = h.series("usefulwork.request.intake")
+        self._plans: dict[tuple, tuple] = {}  # a request's labels -> where it is counted (``_plan``)
         m.create_observable_counter("usefulwork.gpu.cost.usd", callbacks=[self._gpu_cost], unit="{USD}",
                                     description="Each pool's GPU cost since it came up (its GPUs x $/GPU-hour; "
                                     "with gpu.per_replica, following its replicas).")
@@ -165,44 +174,78 @@ class Telemetry:
 
     # -- per request --
     def record(self, ctx: RequestContext, rec: dict) -> None:
-        op = OPERATION.get(ctx.endpoint, ctx.endpoint)
-        pool = ctx.pool or "none"
-        genai: tuple = (("gen_ai.operation.name", op), ("gen_ai.provider.name", "vllm"), ("gen_ai.request.model", ctx.model))
-        if ctx.outcome != "ok":
-            genai += (("error.type", ctx.outcome),)
-        hist = self.histograms.record
-        if ctx.usage_source != "none":
-            src = genai + (("usefulwork.usage_source", ctx.usage_source),)
-            hist("gen_ai.client.token.usage", ctx.prompt_tokens, src + (("gen_ai.token.type", "input"),))
-            hist("gen_ai.client.token.usage", ctx.completion_tokens, src + (("gen_ai.token.type", "output"),))
+        slo = "n/a" if ctx.slo_met is None else ("true" if ctx.slo_met else "false")
+        key = (ctx.endpoint, ctx.model, ctx.outcome, ctx.usage_source, ctx.pool, ctx.tenant, ctx.cache, slo,
+               ctx.route, ctx.route_reason)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plan(key)
+        usage_in, usage_out, duration, ttft_s, tpot_s, requests, generated, price, lookups, routing, admission = plan
+        if usage_in is not None:
+            usage_in.add(ctx.prompt_tokens)
+            usage_out.add(ctx.completion_tokens)
         e2e, ttft, tpot = rec["e2e_ms"], rec["ttft_ms"], rec["tpot_ms"]
         if e2e is not None:
-            hist("gen_ai.client.operation.duration", e2e / 1000.0, genai)
-        if ttft is not None and ctx.outcome == "ok":
-            hist("gen_ai.server.time_to_first_token", ttft / 1000.0, genai)
-        if tpot is not None and ctx.outcome == "ok":
-            hist("gen_ai.server.time_per_output_token", tpot / 1000.0, genai)
-        slo = "n/a" if ctx.slo_met is None else ("true" if ctx.slo_met else "false")
-        add = self._add
-        add("usefulwork.requests", 1, (("outcome", ctx.outcome), ("pool", pool), ("tenant", ctx.tenant),
-                                       ("cache", ctx.cache), ("slo_met", slo)))
+            duration.add(e2e / 1000.0)
+        if ttft is not None and ttft_s is not None:
+            ttft_s.add(ttft / 1000.0)
+        if tpot is not None and tpot_s is not None:
+            tpot_s.add(tpot / 1000.0)
+        sums = self._requests.sums
+        sums[requests] = sums.get(requests, 0) + 1
         if ctx.completion_tokens:
-            add("usefulwork.generated.tokens", ctx.completion_tokens,
-                (("outcome", ctx.outcome), ("pool", pool), ("tenant", ctx.tenant)))
+            sums = self._generated.sums
+            sums[generated] = sums.get(generated, 0) + ctx.completion_tokens
         if ctx.cost_usd:
-            add("usefulwork.cost.usd", ctx.cost_usd, (("view", "price_sheet"), ("pool", pool), ("tenant", ctx.tenant)))
-        if ctx.outcome != "rejected":
-            add("usefulwork.cache.lookups", 1, (("result", ctx.cache),))
-        if ctx.pool is not None:
-            add("usefulwork.routing.decisions", 1, (("pool", ctx.pool), ("route", ctx.route or "default"),
-                                                    ("reason", ctx.route_reason or "none")))
-        decision = ("shed" if ctx.outcome == "shed" else "rejected" if ctx.outcome == "rejected"
-                    else "admitted")
-        add("usefulwork.admission.decisions", 1, (("decision", decision),))
+            sums = self._cost.sums
+            sums[price] = sums.get(price, 0) + ctx.cost_usd
+        if lookups is not None:
+            sums = self._lookups.sums
+            sums[lookups] = sums.get(lookups, 0) + 1
+        if routing is not None:
+            sums = self._routing.sums
+            sums[routing] = sums.get(routing, 0) + 1
+        sums = self._admission.sums
+        sums[admission] = sums.get(admission, 0) + 1
         if ctx.t_validated is not None:
-            hist("usefulwork.request.intake", rec["intake_ms"] / 1000.0)
+            self._intake.add(rec["intake_ms"] / 1000.0)
         if self._spans:
-            self._span(ctx, rec, op)
+            self._span(ctx, rec, OPERATION.get(ctx.endpoint, ctx.endpoint))
+
+    def _plan(self, key: tuple) -> tuple:
+        """Where a request with these labels is counted: its histogram series and counter keys, made once per
+        label set (``record`` then costs a few dict updates instead of building every attribute set again)."""
+        endpoint, model, outcome, usage_source, pool_name, tenant, cache, slo, route, route_reason = key
+        op = OPERATION.get(endpoint, endpoint)
+        pool = pool_name or "none"
+        genai: tuple = (("gen_ai.operation.name", op), ("gen_ai.provider.name", "vllm"), ("gen_ai.request.model", model))
+        if outcome != "ok":
+            genai += (("error.type", outcome),)
+        series = self.histograms.series
+        usage_in = usage_out = None
+        if usage_source != "none":
+            src = genai + (("usefulwork.usage_source", usage_source),)
+            usage_in = series("gen_ai.client.token.usage", src + (("gen_ai.token.type", "input"),))
+            usage_out = series("gen_ai.client.token.usage", src + (("gen_ai.token.type", "output"),))
+        ok = outcome == "ok"
+        decision = "shed" if outcome == "shed" else "rejected" if outcome == "rejected" else "admitted"
+        plan = (
+            usage_in, usage_out,
+            series("gen_ai.client.operation.duration", genai),
+            series("gen_ai.server.time_to_first_token", genai) if ok else None,
+            series("gen_ai.server.time_per_output_token", genai) if ok else None,
+            (("outcome", outcome), ("pool", pool), ("tenant", tenant), ("cache", cache), ("slo_met", slo)),
+            (("outcome", outcome), ("pool", pool), ("tenant", tenant)),
+            (("view", "price_sheet"), ("pool", pool), ("tenant", tenant)),
+            (("result", cache),) if outcome != "rejected" else None,
+            (("pool", pool_name), ("route", route or "default"), ("reason", route_reason or "none"))
+            if pool_name is not None else None,
+            (("decision", decision),),
+        )
+        if len(self._plans) >= MAX_PLANS:  # label sets a client can vary (a model name sent to a 404): bounded
+            self._plans.clear()
+        self._plans[key] = plan
+        return plan
 
     def record_settled(self, items: Iterable[Settled]) -> None:
         for s in items:
