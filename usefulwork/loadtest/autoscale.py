@@ -222,7 +222,7 @@ class Simulation:
             cap = Capacity(cfg, slo.ttft_ms / 1e3, slo.tpot_ms / 1e3, slo.e2e_ms / 1e3, replicas=self._serving,
                            replica_count=lambda: len(self._serving()))
             self.queue = PoolQueue("llama-8b", cap, reserve_fraction=cfg.reserve_fraction, max_queue=cfg.max_queue,
-                                   e2e_slo_s=slo.e2e_ms / 1e3)
+                                   e2e_slo_s=slo.e2e_ms / 1e3, return_prior=cfg.retry_return_prior)
             self.deadline_s = slo.ttft_ms / 1e3  # interactive class: the TTFT SLO (admission's default)
         self.sends: list[tuple[float, int, Req]] = []  # (time, seq, request): first sends and retries
         self.timeouts: list[tuple[float, int, Req, int]] = []  # (deadline, seq, request, attempt)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+from collections import Counter
 
 import pytest
 
@@ -33,7 +34,7 @@ def test_admit_queue_then_shed_at_arrival_with_retry_after():
     # Budget = 2 s deadline - 0.1 s expected TTFT (and e2e 5 s - 1 s service): 1.9 s, of which the queue
     # promises at most 3/4 (1.425 s). The 4 running requests all started at 0 and end together at 1 s;
     # the next 4 places free at 2 s: 4 queue, the rest are shed at once.
-    q.return_rate = 1.0  # as if shed clients had been coming back for their places
+    q.return_prior = 1.0  # shed clients come back for their places (the default prior)
     tickets = [ticket(0.0) for _ in range(12)]
     for i, t in enumerate(tickets):
         t.key = i + 1
@@ -44,21 +45,40 @@ def test_admit_queue_then_shed_at_arrival_with_retry_after():
     assert all(d.predicted_wait_s == pytest.approx(1.0) for d in queued)
     assert [d.predicted_wait_s for d in shed] == pytest.approx([2.0] * 4 + [3.0] * 4)  # held places count too
     assert all(d.reason == "predicted_wait" for d in shed)
-    # Retry-After: when the 4 queued + the places already promised + 2 dispatch intervals of margin
-    # have drained (4 per second) to what a fresh request may wait: (4 + 0 + 4) / 4 - 1.425 s;
-    # each later shed one place later.
-    assert [d.retry_after_s for d in shed] == pytest.approx([0.575 + 0.25 * i for i in range(8)])
+    # Retry-After: when the 4 queued + the places already promised + 4 places of margin have drained
+    # to what a fresh request may wait (1.425 s). The slots free in clumps of 4 at 1, 2, 3, 4 s (all
+    # started at 0, each held 1 s), so the first shed's place (the 8th) frees at 2 s: 2 - 1.425 s; the
+    # next four places free at 3 s, the next at 4 s. (A fluid drain of 4/s would promise 0.575 + 0.25 i:
+    # places that free later than that.)
+    assert [d.retry_after_s for d in shed] == pytest.approx([0.575] + [1.575] * 4 + [2.575] * 3)
     assert len(q.reservations) == 8
     assert q.shed_total == {"predicted_wait": 8}
+
+
+def test_retry_after_in_a_pool_bound_by_the_e2e_slo_is_when_the_retry_fits():
+    """Service of 4 s under a 5 s E2E SLO: a fresh request may wait 1 s (not the 1.9 s its TTFT
+    deadline alone allows). The shed one is told to come back when its wait will fit that budget,
+    and its retry is queued, not shed again (a Retry-After from the TTFT budget told it 2.6 s)."""
+    q = make_queue(limit=4, service_s=4.0)
+    for _ in range(4):
+        assert q.offer(ticket(0.0), 0.0).kind == "admit"
+    t = ticket(0.0)
+    t.key = 7
+    d = q.offer(t, 0.0)
+    assert (d.kind, d.reason) == ("shed", "predicted_wait")
+    assert d.retry_after_s == pytest.approx(4.0 - 0.75 * 1.0)  # the first slot frees at 4 s
+    retry = ticket(d.retry_after_s)
+    retry.key = 7
+    assert q.offer(retry, d.retry_after_s).kind == "queue"
 
 
 def test_queued_ticket_behind_held_places_is_dispatched_at_once_when_slots_are_free():
     """Held retry places count as work ahead, so a new ticket may queue while slots are free: it is
     dispatched by the same offer, not when some other request later releases a slot."""
     q = make_queue(limit=4, service_s=1.0)
-    q.return_rate = 1.0
+    q.return_prior = 1.0
     for key in range(101, 106):
-        q._reserve(0.5, key)  # five shed clients promised a place at 0.5 s: more than the 4 free slots
+        q._reserve(0.5, key, "b")  # five shed clients promised a place at 0.5 s: more than the 4 free slots
     t = ticket(0.0)
     d = q.offer(t, 0.0)
     assert d.kind == "admit" and t.state == "admitted" and q.inflight == 1 and q.queued == 0
@@ -468,48 +488,80 @@ def test_simulated_burst_every_admitted_request_meets_its_deadline():
     assert waits[int(len(waits) * 0.95)] <= 1.9  # and almost all within the budget the prediction allowed
     assert len(starts) + len(shed_at) + len(expired) == 240
     assert len(starts) >= 8 * 10  # the server was kept full: at least its capacity was served
-    assert q.return_rate < 0.05  # places nobody took back stopped counting
+    assert q.return_rate("a") < 0.05  # places nobody took back stopped counting
 
 
-def test_retry_after_is_a_reserved_place_a_returning_client_finds():
-    """Clients that wait out Retry-After and send the same request again, during a 3x burst and
-    after it: most first retries are admitted (their place was held), on the virtual clock."""
-    q = make_queue(limit=8, service_s=1.0)
-
+def _run_with_retries(q: PoolQueue, tenant: str, arrivals: list[float], retry: bool) -> tuple[int, int, list[float]]:
+    """``tenant``'s clients arrive at ``arrivals`` on 8 slots of ~1 s (0.7-1.3 s); with ``retry`` a
+    shed one waits out its Retry-After and sends the same request again (up to 3 times). Returns
+    (first retries, of them admitted, the Retry-After of each first shed)."""
     def service(i: int) -> float:
         return 0.7 + 0.6 * ((i * 7) % 11) / 10
 
     events: list = []
     seq = 0
-    for i in range(240):  # 24 req/s for 10 s, then 4 req/s for 25 s
-        heapq.heappush(events, (i / 24.0, seq, "arrive", None, 0))
+    for at in arrivals:
+        heapq.heappush(events, (at, seq, "arrive", None, 0))
         seq += 1
-    for i in range(100):
-        heapq.heappush(events, (10 + i / 4.0, seq, "arrive", None, 0))
-        seq += 1
-    first_retries, admitted_first = 0, 0
+    first_retries, admitted_first, first_ra = 0, 0, []
     while events:
         now, _, kind, t, tries = heapq.heappop(events)
         if kind == "arrive":
-            key = t if t is not None else seq + 1
-            nt = ticket(now)
+            key = t if t is not None else hash((tenant, seq))
+            nt = ticket(now, tenant=tenant)
             nt.key = key
             d = q.offer(nt, now)
+            if tries == 0 and d.kind == "shed":
+                first_ra.append(d.retry_after_s)
             if tries == 1:
                 first_retries += 1
                 admitted_first += d.kind != "shed"
             if d.kind == "admit":
                 heapq.heappush(events, (now + service(seq), seq, "done", nt, 0))
-            elif d.kind == "shed" and tries < 3:
+            elif d.kind == "shed" and retry and tries < 3:
                 heapq.heappush(events, (now + d.retry_after_s, seq, "arrive", key, tries + 1))
         else:
             for nt in q.release(t, now):
                 heapq.heappush(events, (now + service(seq), seq, "done", nt, 0))
         seq += 1
         q.expire(now)
+    return first_retries, admitted_first, first_ra
+
+
+def test_retry_after_is_a_reserved_place_a_returning_client_finds():
+    """Clients that wait out Retry-After and send the same request again, during a 3x burst and
+    after it: most first retries are admitted (their place was held), on the virtual clock."""
+    q = make_queue(limit=8, service_s=1.0)
+    # 24 req/s for 10 s, then 4 req/s for 25 s
+    arrivals = [i / 24.0 for i in range(240)] + [10 + i / 4.0 for i in range(100)]
+    first_retries, admitted_first, _ = _run_with_retries(q, "a", arrivals, retry=True)
     assert first_retries > 100
     assert admitted_first / first_retries >= 0.9
     assert q.retries_honoured >= first_retries and not q.reservations  # every place taken back or expired
+
+
+def _burst_with_retries(q: PoolQueue, tenant: str, start: float, retry: bool) -> tuple[int, int, list[float]]:
+    """A 3x burst: 24 req/s for 5 s from ``start``."""
+    return _run_with_retries(q, tenant, [start + i / 24.0 for i in range(120)], retry)
+
+
+def test_a_tenant_whose_clients_never_return_does_not_clump_another_tenants_retries():
+    """The return rate is learnt per tenant: after a burst from clients that never come back for
+    their places (a load generator), a burst from another tenant's clients that honour Retry-After is
+    still told spread-out times (one pool-wide rate had told them all the same few seconds, and they
+    came back together into room for one or two), and most first retries are admitted."""
+    q = make_queue(limit=8, service_s=1.0)
+    _, _, gone_ra = _burst_with_retries(q, "gone", 0.0, retry=False)
+    q._prune(100.0)  # every place of the first burst has expired unused
+    assert len(gone_ra) > 50 and q.return_rate("gone") < 0.1
+    assert q.return_rate("back") == q.return_prior == 1.0  # a tenant not seen yet: the prior
+    first_retries, admitted_first, back_ra = _burst_with_retries(q, "back", 100.0, retry=True)
+    # Spread: at most a few sheds told the same time (one pool-wide rate: 6 in a row here, and 78% of
+    # first retries admitted).
+    same = Counter(round(x, 2) for x in back_ra)
+    assert max(same.values()) <= 4
+    assert first_retries > 50 and admitted_first / first_retries >= 0.9
+    assert q.return_rate("gone") < 0.1 and q.return_rate("back") > 0.9
 
 
 def test_clumped_releases_of_continuous_batching_do_not_leave_sheds_to_the_deadline():

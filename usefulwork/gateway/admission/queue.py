@@ -24,9 +24,15 @@ Decision at arrival (``offer``):
 including the retries already promised a time, has drained; its tenant holds that place until then
 (plus ``RESERVATION_GRACE_S``), found again by ``Ticket.key`` (a hash of tenant and body: a retry
 sends the same body). New arrivals count the reservations that fall due within their own budget as
-work ahead, weighted by the share of places that were taken back lately (``return_rate``): a held
-place of a client that honours Retry-After is kept free for it, while clients that never come back
-(most load generators, many batch jobs) do not block capacity with places nobody will use.
+work ahead, each weighted by the share of its tenant's places that were taken back lately
+(``return_rate(tenant)``): a held place of a client that honours Retry-After is kept free for it, while
+clients that never come back (most load generators, many batch jobs) do not block capacity with places
+nobody will use. The rate is taken back over ended places, the older ones fading (``RETURN_EWMA`` per
+ended place), with the prior counted as one ended place. It is kept per tenant because clients of one tenant (one application, one SDK
+and its retry settings) behave alike and tenants differ: one pool-wide rate let a tenant whose clients
+never return teach the gateway to give another tenant's returning clients one and the same
+Retry-After, so they came back together into room for one or two. A tenant not seen yet starts at
+``return_prior`` (1.0: the OpenAI SDKs retry a 429 after ``retry-after-ms`` by default).
 
 The predicted wait is (work ahead of it in dispatch order, less free slots) / drain rate. When new
 interactive work overtakes queued lower-class work, those whose predicted wait no longer fits their
@@ -118,9 +124,12 @@ class PoolQueue:
     admitted_total: int = 0
     shed_total: dict[str, int] = field(default_factory=dict)
     reservations: list[tuple[float, int]] = field(default_factory=list)  # (retry time, ticket key), sorted
-    _held: dict[int, float] = field(default_factory=dict)  # ticket key -> its reserved time
+    _held: dict[int, tuple[float, str]] = field(default_factory=dict)  # ticket key -> (its reserved time, tenant)
+    _held_by: dict[str, int] = field(default_factory=dict)  # tenant -> places it holds
     retries_honoured: int = 0
-    return_rate: float = 0.0  # EWMA over ended reservations: 1 taken back, 0 expired unused
+    return_prior: float = 1.0  # return rate of a tenant with no ended reservation yet
+    return_prior_weight: float = 1.0  # how many ended reservations the prior counts as (one: the first outcomes decide)
+    returns: dict[str, tuple[float, float]] = field(default_factory=dict)  # tenant -> (taken back, ended), decayed
     inflight_tenant: dict[str, int] = field(default_factory=dict)
     last_seen: dict[str, float] = field(default_factory=dict)  # tenant -> its last request's arrival
     pending: int = 0  # prefills admitted and not yet answered (first token not seen), all classes
@@ -278,7 +287,7 @@ class PoolQueue:
         budget = self.budget(t, now)
         # A returning request is behind only the places promised before its own; a new one is behind
         # every place that falls due within its budget.
-        reserved = round(self.return_rate * self._reserved_until(held if held is not None else now + max(0.0, budget)))
+        reserved = round(self._reserved_until(held if held is not None else now + max(0.0, budget)))
         wait = self.predict_wait(t, now, reserved)
         if wait == 0.0 and self.ahead_of(t) == 0:
             self._admit(t, now)
@@ -317,53 +326,87 @@ class PoolQueue:
         # Come back when everything ahead, promised retries included, has drained to what a fresh
         # request's budget allows; hold that place for this tenant.
         rate = self.drain_rate(t.cls)
-        full_budget = max(0.0, t.deadline - t.arrival - self.est_ttft(t.cls))
+        # What a fresh request may wait: its TTFT deadline and, where it binds, the E2E SLO less the
+        # expected service (a budget on the TTFT alone had told sheds of an E2E-bound pool ~0 s).
+        full_budget = max(0.0, self.budget(t, t.arrival))
         if rate:
             # + 2 dispatch intervals of margin: a retry told the exact boundary would miss half the time.
-            behind_all = self.ahead_of(t) + round(self.return_rate * len(self.reservations)) + 4 - max(0, self.free(t.cls, t.tenant))
-            retry = max(0.0, behind_all / rate - QUEUE_SAFETY * full_budget)
+            promised = round(sum(self.return_rate(x) * n for x, n in self._held_by.items()))
+            behind_all = self.ahead_of(t) + promised + 4 - max(0, self.free(t.cls, t.tenant))
+            # The drain rate is a fluid; slots free in clumps (a burst's first requests started together
+            # and end together) and prefill places may bind first: the predicted wait of the place behind
+            # them all, as an arrival's is predicted, when it is later. (At a burst's start the fluid
+            # alone told 18 sheds 0.05 s, and none of their retries fitted.)
+            drained = max(behind_all / rate, self.predict_wait(t, now, promised + 3) or 0.0)
+            retry = max(0.0, drained - QUEUE_SAFETY * full_budget)
         else:
             retry = 1.0
         retry = max(retry, 0.05)
         if t.cls < 2 and t.key:
-            self._reserve(now + retry, t.key)
+            self._reserve(now + retry, t.key, t.tenant)
         return Decision("shed", reason, predicted_wait_s=wait, retry_after_s=retry)
 
     # -- retry reservations --
+    def return_rate(self, tenant: str) -> float:
+        """Share of ``tenant``'s held places its clients took back lately: taken back over ended, with the
+        prior counted as ``return_prior_weight`` ended places (``return_prior`` before any ended)."""
+        back, ended = self.returns.get(tenant, (0.0, 0.0))
+        w = self.return_prior_weight
+        return (back + self.return_prior * w) / (ended + w)
+
+    def _learn_return(self, tenant: str, returned: bool) -> None:
+        back, ended = self.returns.get(tenant, (0.0, 0.0))
+        keep = 1.0 - RETURN_EWMA  # older outcomes fade: a tenant's clients may change
+        self.returns[tenant] = (back * keep + returned, ended * keep + 1.0)
+
+    def _unhold(self, key: int) -> tuple[float, str] | None:
+        held = self._held.pop(key, None)
+        if held is not None:
+            n = self._held_by[held[1]] - 1
+            if n:
+                self._held_by[held[1]] = n
+            else:
+                del self._held_by[held[1]]
+        return held
+
     def _prune(self, now: float) -> None:
         r = self.reservations
         i = 0
         while i < len(r) and r[i][0] + RESERVATION_GRACE_S < now:
-            self._held.pop(r[i][1], None)
-            self.return_rate *= 1.0 - RETURN_EWMA  # expired: nobody came back for it
+            held = self._unhold(r[i][1])
+            if held is not None:
+                self._learn_return(held[1], False)  # expired: nobody came back for it
             i += 1
         if i:
             del r[:i]
 
-    def _reserve(self, at: float, key: int) -> None:
-        old = self._held.pop(key, None)
+    def _reserve(self, at: float, key: int, tenant: str) -> None:
+        old = self._unhold(key)
         if old is not None:
-            self.reservations.remove((old, key))
-        self._held[key] = at
+            self.reservations.remove((old[0], key))
+        self._held[key] = (at, tenant)
+        self._held_by[tenant] = self._held_by.get(tenant, 0) + 1
         bisect.insort(self.reservations, (at, key))
 
     def _take_reservation(self, key: int, now: float) -> float | None:
         """The retry of a shed request takes back its place; returns the place's time."""
         self._prune(now)
-        at = self._held.pop(key, None) if key else None
-        if at is None:
+        held = self._unhold(key) if key else None
+        if held is None:
             return None
+        at, tenant = held
         self.reservations.remove((at, key))
         self.retries_honoured += 1
-        self.return_rate += RETURN_EWMA * (1.0 - self.return_rate)
+        self._learn_return(tenant, True)
         return at
 
-    def _reserved_until(self, until: float) -> int:
-        n = 0
-        for at, _ in self.reservations:
+    def _reserved_until(self, until: float) -> float:
+        """Places held for retries due before ``until``, each weighted by its tenant's return rate."""
+        n = 0.0
+        for at, key in self.reservations:
             if at >= until:
                 break
-            n += 1
+            n += self.return_rate(self._held[key][1])
         return n
 
     # -- queue mechanics --
@@ -568,7 +611,7 @@ class PoolQueue:
         return {"inflight": self.inflight, "inflight_by_class": dict(zip(PRIORITIES, self.inflight_cls)), "queued": self.depth(), "admitted": self.admitted_total,
                 "prefill_pending": self.pending,
                 "retry_reservations": len(self.reservations), "retries_honoured": self.retries_honoured,
-                "retry_return_rate": round(self.return_rate, 3),
+                "retry_return_rate": {k: round(self.return_rate(k), 3) for k in self.returns},
                 "shed": dict(self.shed_total), "capacity": self.capacity.stats(),
                 "fair_share_tokens": {k: round(v, 1) for k, v in self.counters.items()}}
 
