@@ -172,6 +172,10 @@ def verdicts(exp, cells: list[dict[str, Any]]) -> dict[str, Any]:
         admitted = sum(1 for x in retried if x["first_retry"] == "admitted")
         out["retry"] = {"retried": len(retried), "admitted_on_first_retry": admitted,
                         "fraction": admitted / len(retried) if retried else None,
+                        # admitted on the first retry, then past the client's timeout (from the first send)
+                        "admitted_then_timed_out": sum(1 for x in retried if x["first_retry"] == "admitted"
+                                                       and x["outcomes"] == "timeout"),
+                        "good_of_retried": sum(1 for x in retried if x["good"]),
                         "final": {o: sum(1 for x in rows if x["outcomes"] == o) for o in ("ok", "shed", "timeout", "error")}}
         checks["retry_first_ge_80pct"] = bool(retried) and admitted / len(retried) >= 0.80
 

@@ -102,6 +102,10 @@ async def _stream(client: httpx.AsyncClient, url: str, body: bytes, headers: dic
                   res: RequestResult, t_send: float, clock0: float) -> None:
     async with client.stream("POST", url, content=body, headers=headers) as resp:
         res.status = resp.status_code
+        if res.retries == 1 and not res.first_retry:
+            # Decided when the gateway answers: a retry admitted here whose answer then runs past the
+            # client's timeout (counted from the first send) was still admitted on its first retry.
+            res.first_retry = "shed" if resp.status_code == 429 else "admitted"
         if resp.status_code != 200:
             detail = (await resp.aread())[:300].decode(errors="replace")
             res.outcome = "shed" if resp.status_code == 429 else "error"
@@ -207,8 +211,6 @@ async def send(client: httpx.AsyncClient, base_url: str, spec: RequestSpec, mode
                 res.retries += 1
                 res.outcome, res.error, res.status = "ok", "", 0
                 await _stream(client, base_url + path, body, hdrs, res, t_send, clock0)
-                if res.retries == 1:
-                    res.first_retry = "shed" if res.outcome == "shed" else "admitted"
     except TimeoutError:
         res.outcome, res.error = "timeout", f"no complete answer within {timeout_s:g}s"
     except asyncio.CancelledError:
