@@ -13,7 +13,7 @@ import pytest
 
 from usefulwork.config import from_mapping
 from usefulwork.gateway.errors import GatewayError
-from usefulwork.gateway.pipeline import Reply
+from usefulwork.gateway.pipeline import DISCONNECT, DisconnectWatch, Reply
 from usefulwork.gateway.proxy import OPERATIONS, Endpoint, Intake
 from usefulwork.gateway.tenants import Tenants
 from usefulwork.upstream.fleet import Fleet
@@ -185,8 +185,9 @@ async def test_responses_stream_failure_uses_the_responses_error_event():
     assert ledger.done[0].outcome == "error"
 
 
-async def _long_stream_in_flight():
-    """An endpoint serving a stream that sends one event, then generates for a long time."""
+async def _long_stream_in_flight(watch: DisconnectWatch | None = None):
+    """An endpoint serving a stream that sends one event, then generates for a long time (``watch``: the
+    disconnect extension the gateway's own HTTP protocol offers)."""
     started = asyncio.Event()
 
     async def chunks():
@@ -203,6 +204,8 @@ async def _long_stream_in_flight():
 
     ep, ledger = endpoint(handler)
     c = Client(BODY)
+    if watch is not None:
+        c.scope["extensions"] = {DISCONNECT: watch}
     task = asyncio.ensure_future(ep(c.scope, c.receive, c.send))
     await started.wait()
     return task, c, ledger, closed
@@ -213,6 +216,41 @@ async def test_client_disconnect_cancels_the_stream_and_closes_the_reply():
     c.disconnect()
     await asyncio.wait_for(task, 5)
     assert ledger.done[0].outcome == "client_cancelled" and closed == [1]
+
+
+async def test_the_protocols_disconnect_report_cancels_the_stream_without_a_watcher_task():
+    watch = DisconnectWatch()
+    task, c, ledger, closed = await _long_stream_in_flight(watch)
+    assert watch.callback is not None and len(asyncio.all_tasks()) == 2  # this test and the endpoint: no watcher
+    watch.fire()  # what GuardedHttpToolsProtocol.connection_lost does
+    await asyncio.wait_for(task, 5)
+    assert ledger.done[0].outcome == "client_cancelled" and closed == [1] and watch.callback is None
+
+
+async def test_a_client_gone_before_the_handler_started_is_cancelled_with_nothing_forwarded():
+    async def handler(call):
+        raise AssertionError("nothing may be forwarded")
+
+    ep, ledger = endpoint(handler)
+    c = Client(BODY)
+    watch = DisconnectWatch()
+    watch.fire()
+    c.scope["extensions"] = {DISCONNECT: watch}
+    await asyncio.wait_for(ep(c.scope, c.receive, c.send), 5)
+    assert ledger.done[0].outcome == "client_cancelled" and ledger.done[0].status_code == 499 and not c.sent
+
+
+async def test_a_disconnect_reported_once_the_response_is_complete_cancels_nothing():
+    async def handler(call):
+        return Reply(200, [(b"content-type", b"application/json")], body=b"{}")
+
+    ep, ledger = endpoint(handler)
+    c = Client(BODY)
+    watch = DisconnectWatch()
+    c.scope["extensions"] = {DISCONNECT: watch}
+    await asyncio.wait_for(ep(c.scope, c.receive, c.send), 5)
+    watch.fire()  # the connection closes after the response: the callback was withdrawn
+    assert ledger.done[0].outcome == "ok" and c.status == 200 and watch.callback is None
 
 
 async def test_stream_cut_by_server_shutdown_tells_the_client_and_is_not_ok():

@@ -13,6 +13,14 @@ connections stayed open for ever. This subclass, handed to uvicorn as its ``http
 - framing errors (bad Content-Length, Content-Length with Transfer-Encoding, control characters
   in a header, ...) answered as OpenAI-style JSON 400 instead of uvicorn's plain text.
 
+Two things make its common case cheaper than uvicorn's (docs/benchmarks.md section 11):
+
+- a response with a Content-Length sends its head with its body, in one write (one syscall, one
+  TCP segment): uvicorn writes the head as soon as ``http.response.start`` comes. Streams (no
+  Content-Length) still get their head at once;
+- a lost connection is reported to the running request through the ``usefulwork.disconnect`` scope
+  extension (``pipeline.DisconnectWatch``), so the endpoint needs no task waiting on ``receive()``.
+
 Every refusal is answered, then the connection is half-closed and the client's remaining bytes are
 discarded until it closes (at most 2 s / 1 MB: no RST can discard the answer), and it is counted in ``usefulwork_http_rejected_total{reason}``
 (``/metrics``). Body size is the endpoints' job (``limits.max_body_bytes``, 413).
@@ -22,10 +30,11 @@ from __future__ import annotations
 
 import httptools
 import prometheus_client
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from usefulwork.config import Config
 from usefulwork.gateway.errors import error_body
+from usefulwork.gateway.pipeline import DISCONNECT, DisconnectWatch
 
 REJECTED = prometheus_client.Counter(
     "usefulwork_http_rejected", "Client connections refused at the HTTP layer, by reason.", ["reason"])
@@ -51,6 +60,88 @@ LINGER_S = 2.0  # after a refusal, how long the client's remaining bytes are rea
 LINGER_BYTES = 1 << 20  # ... and how many
 
 
+class _Keep:
+    """Stands in for the transport while uvicorn writes a response head that is to be held."""
+
+    __slots__ = ("data",)
+
+    def __init__(self) -> None:
+        self.data: bytes | None = None
+
+    def write(self, data: bytes) -> None:
+        self.data = data
+
+
+class _HeadFirst:
+    """Stands in for the transport while the body after a held head is sent: the head goes out with
+    the first bytes written (or alone, before a close or at the end: ``flush``)."""
+
+    __slots__ = ("transport", "head")
+
+    def __init__(self, transport, head: bytes):
+        self.transport = transport
+        self.head: bytes | None = head
+
+    def write(self, data: bytes) -> None:
+        head = self.head
+        if head is not None:
+            self.head = None
+            data = head + data
+        self.transport.write(data)
+
+    def flush(self) -> None:
+        if self.head is not None:
+            head, self.head = self.head, None
+            if not self.transport.is_closing():
+                self.transport.write(head)
+
+    def close(self) -> None:
+        self.flush()
+        self.transport.close()
+
+    def is_closing(self) -> bool:
+        return self.transport.is_closing()
+
+
+def _sized(message: dict) -> bool:
+    return any(name.lower() == b"content-length" for name, _ in message.get("headers", ()))
+
+
+class GatewayCycle(RequestResponseCycle):
+    """uvicorn's request/response cycle; a response with a Content-Length writes its head with its body.
+
+    The head uvicorn builds for ``http.response.start`` (validated as uvicorn does) is kept, and the
+    next ``send`` writes it in front of the body's bytes. Nothing else changes: a client can use a
+    Content-Length response only once its body arrived anyway.
+    """
+
+    _head: bytes | None = None
+
+    async def send(self, message) -> None:
+        head = self._head
+        if head is not None:
+            self._head = None
+            transport = self.transport
+            self.transport = first = _HeadFirst(transport, head)
+            try:
+                await super().send(message)
+            finally:
+                self.transport = transport
+                if not self.disconnected:
+                    first.flush()  # no body bytes were written (HEAD, an empty body, an error)
+            return
+        if message["type"] == "http.response.start" and not self.response_started and _sized(message):
+            transport = self.transport
+            self.transport = keep = _Keep()
+            try:
+                await super().send(message)
+            finally:
+                self.transport = transport
+            self._head = keep.data
+            return
+        await super().send(message)
+
+
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol plus the limits in the module doc (class attributes, set by
     ``protocol_class``)."""
@@ -67,6 +158,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._head_timer = None  # armed while waiting for a request head
         self._lingering: int | None = None  # refused: bytes still to discard before closing (see _linger)
         self._linger_timer = None
+        self._running: RequestResponseCycle | None = None  # the request whose app task runs now
 
     # -- waiting for a head --
     def _arm(self) -> None:
@@ -121,6 +213,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self._linger_timer is not None:
             self._linger_timer.cancel()
         super().connection_lost(exc)
+        running = self._running
+        if running is not None and not running.response_complete:
+            running.scope["extensions"][DISCONNECT].fire()
 
     def data_received(self, data: bytes) -> None:
         if self._lingering is not None:  # refused and answered: the rest is discarded
@@ -161,10 +256,16 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def send_400_response(self, msg: str) -> None:
         self._refuse(400, msg)
 
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app) -> None:
+        cycle.__class__ = GatewayCycle  # made by uvicorn's on_headers_complete; its task has not run yet
+        self._running = cycle
+        super()._start_asgi_task(cycle, app)
+
     # -- parser callbacks --
     def on_message_begin(self) -> None:
         self._url_bytes = self._fields_bytes = 0
         super().on_message_begin()
+        self.scope["extensions"] = {**(self.scope.get("extensions") or {}), DISCONNECT: DisconnectWatch()}
 
     def on_url(self, url: bytes) -> None:
         self._url_bytes += len(url)

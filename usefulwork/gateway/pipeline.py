@@ -34,6 +34,33 @@ class ClientGone(Exception):
     """The client disconnected; the request is abandoned (upstream work is cancelled)."""
 
 
+DISCONNECT = "usefulwork.disconnect"  # ASGI scope extension offered by the gateway's own HTTP protocol
+
+
+class DisconnectWatch:
+    """``scope["extensions"][DISCONNECT]``: how the gateway's HTTP protocol (gateway/client_protocol.py)
+    tells the request that its client went away, without a task waiting on ``receive()``.
+
+    The protocol calls ``fire()`` when the connection is lost before the request's response completed;
+    ``gone`` stays set, and ``callback`` (set by the endpoint while it serves) runs once. Under another
+    ASGI server the extension is absent and the endpoint watches ``receive()`` instead.
+    """
+
+    __slots__ = ("callback", "gone")
+
+    def __init__(self) -> None:
+        self.callback: Callable[[], None] | None = None
+        self.gone = False
+
+    def fire(self) -> None:
+        if self.gone:
+            return
+        self.gone = True
+        callback, self.callback = self.callback, None
+        if callback is not None:
+            callback()
+
+
 @dataclass(slots=True, eq=False)
 class Call:
     """One client request on its way through the chain; built once at intake."""

@@ -23,11 +23,11 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable, Coroutine
 
 from usefulwork.gateway.context import Accountant, RequestContext
 from usefulwork.gateway.errors import GatewayError, error_body, send_error, send_json
-from usefulwork.gateway.pipeline import Call, ClientGone, Handler, Reply, classify
+from usefulwork.gateway.pipeline import DISCONNECT, Call, ClientGone, Handler, Reply, classify
 from usefulwork.gateway.sse import DONE_EVENT, ResponsesSSE, SSEFilter
 from usefulwork.gateway.tenants import Tenants
 from usefulwork.gateway.validation import (parse_json, validate_chat, validate_completion, validate_embeddings,
@@ -170,7 +170,7 @@ class Endpoint:
             ctx.tenant = intake.tenants.identify(auth)
             raw = await intake.read_body(length, receive)
             call = intake.call(self.op, ctx, raw, headers)
-            await run_until_disconnect(self._serve(call, send, ex), receive, ctx, ex)
+            await run_until_disconnect(self._serve(call, send, ex), receive, ctx, ex, scope)
         except GatewayError as err:
             ctx.status_code = err.status
             ctx.error = err.message
@@ -299,24 +299,42 @@ def _count(x: Any) -> bool:
     return type(x) is int and x >= 0
 
 
-async def run_until_disconnect(coro: Awaitable[None], receive, ctx: RequestContext, ex: _Exchange) -> None:
+async def run_until_disconnect(coro: Coroutine[Any, Any, None], receive, ctx: RequestContext, ex: _Exchange,
+                               scope: dict | None = None) -> None:
     """Run the handler in the current task; if the client disconnects first, cancel it.
 
     Cancelling unwinds the handler; the endpoint then closes the reply, which drops the upstream
-    connection, and vLLM aborts the sequence. One extra task per request (the watcher); the body
-    has been read already, so the next ASGI message can only be the disconnect. Once the last body
-    message is being sent (``ctx.closing``) a disconnect no longer cancels anything: servers also
-    report ``http.disconnect`` once a response is complete.
+    connection, and vLLM aborts the sequence. Once the last body message is being sent
+    (``ctx.closing``) a disconnect no longer cancels anything: servers also report
+    ``http.disconnect`` once a response is complete.
+
+    The gateway's own HTTP protocol reports the disconnect through a scope extension
+    (``DisconnectWatch``): a callback, no task. Under any other ASGI server, one extra task per
+    request watches ``receive()``: the body has been read already, so the next ASGI message can only
+    be the disconnect.
     """
     me = asyncio.current_task()
 
-    async def watch() -> None:
-        msg = await receive()
-        if msg["type"] == "http.disconnect" and not ctx.closing:
+    def gone() -> None:
+        if not ctx.closing:
             ex.gone = True
             me.cancel()
 
-    watcher = asyncio.ensure_future(watch())
+    watch = (scope.get("extensions") or {}).get(DISCONNECT) if scope is not None else None
+    if watch is not None:
+        if watch.gone:  # left before the handler started: nothing to cancel
+            coro.close()
+            ex.gone = True
+            raise ClientGone()
+        watch.callback = gone
+        watcher = None
+    else:
+        async def wait_disconnect() -> None:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                gone()
+
+        watcher = asyncio.ensure_future(wait_disconnect())
     try:
         await coro
     except asyncio.CancelledError:
@@ -325,4 +343,7 @@ async def run_until_disconnect(coro: Awaitable[None], receive, ctx: RequestConte
             raise ClientGone() from None
         raise
     finally:
-        watcher.cancel()
+        if watcher is not None:
+            watcher.cancel()
+        else:
+            watch.callback = None

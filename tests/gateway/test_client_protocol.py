@@ -1,0 +1,137 @@
+"""The gateway's HTTP/1.1 protocol in-process: what it writes to the socket for a sized response and a
+stream, and how it reports a lost connection to the running request (gateway/client_protocol.py).
+
+Driven with uvicorn's real protocol machinery over a recording transport; the hostile-client limits
+are tested against a real `usefulwork serve` in tests/e2e/test_client_limits.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import uvicorn
+from uvicorn.server import ServerState
+
+from usefulwork.config import from_mapping
+from usefulwork.gateway.client_protocol import protocol_class
+from usefulwork.gateway.pipeline import DISCONNECT
+
+REQUEST = b"POST /x HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
+
+
+class Transport:
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def get_extra_info(self, name: str, default=None):
+        return {"peername": ("127.0.0.1", 40000), "sockname": ("127.0.0.1", 8080)}.get(name, default)
+
+    def pause_reading(self) -> None: ...
+
+    def resume_reading(self) -> None: ...
+
+    def can_write_eof(self) -> bool:
+        return True
+
+    def write_eof(self) -> None: ...
+
+
+def connect(app) -> tuple[object, Transport]:
+    cfg = from_mapping({"pools": [{"name": "p", "models": ["m"], "replicas": ["http://127.0.0.1:9"]}]}, environ={})
+    proto = protocol_class(cfg)(config=uvicorn.Config(app, access_log=False), server_state=ServerState(), app_state={})
+    transport = Transport()
+    proto.connection_made(transport)
+    return proto, transport
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_a_sized_response_is_one_write_with_its_head():
+    async def app(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", b"11")]})
+        await send({"type": "http.response.body", "body": b'{"ok":true}'})
+
+    proto, t = connect(app)
+    proto.data_received(REQUEST)
+    await settle()
+    (data,) = t.writes
+    assert data.startswith(b"HTTP/1.1 200 OK\r\n") and b"content-length: 11\r\n" in data
+    assert data.endswith(b'\r\n\r\n{"ok":true}') and not t.closed
+    proto.data_received(REQUEST)  # keep-alive: the next request is answered the same way
+    await settle()
+    assert len(t.writes) == 2 and t.writes[1].endswith(b'{"ok":true}')
+
+
+async def test_a_stream_gets_its_head_at_once():
+    gate = asyncio.Event()
+
+    async def app(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        await gate.wait()
+        await send({"type": "http.response.body", "body": b"data: x\n\n", "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    proto, t = connect(app)
+    proto.data_received(REQUEST)
+    await settle()
+    assert len(t.writes) == 1 and t.writes[0].startswith(b"HTTP/1.1 200 OK\r\n")  # before any event
+    gate.set()
+    await settle()
+    assert t.writes[1:] == [b"9\r\ndata: x\n\n\r\n", b"0\r\n\r\n"]
+
+
+async def test_a_held_head_is_written_when_no_body_bytes_follow():
+    async def app(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"0")]})
+        await send({"type": "http.response.body", "body": b""})
+
+    proto, t = connect(app)
+    proto.data_received(REQUEST)
+    await settle()
+    assert b"".join(t.writes).startswith(b"HTTP/1.1 200 OK\r\n") and b"".join(t.writes).endswith(b"\r\n\r\n")
+
+
+async def test_a_lost_connection_is_reported_to_the_running_request_only():
+    fired: list[str] = []
+    release = asyncio.Event()
+
+    async def app(scope, receive, send):
+        await receive()
+        scope["extensions"][DISCONNECT].callback = lambda: fired.append(scope["path"])
+        await release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"0")]})
+        await send({"type": "http.response.body", "body": b""})
+
+    proto, t = connect(app)
+    proto.data_received(REQUEST)
+    await settle()
+    proto.connection_lost(None)
+    assert fired == ["/x"]
+    release.set()
+    await settle()
+
+    done, t2 = connect(app)  # a connection that closes after its response: nothing to report
+    done.data_received(REQUEST)
+    await settle()
+    release.set()
+    await settle()
+    fired.clear()
+    done.connection_lost(None)
+    assert fired == [] and t2.writes
