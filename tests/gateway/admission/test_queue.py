@@ -72,6 +72,24 @@ def test_retry_after_in_a_pool_bound_by_the_e2e_slo_is_when_the_retry_fits():
     assert q.offer(retry, d.retry_after_s).kind == "queue"
 
 
+def test_retry_after_counts_every_slot_that_cycles_not_only_the_running_ones():
+    """A slow server (a CPU vLLM): 2 slots held 30 s each, one running while the prefill gate holds
+    the other free. Each later shed is told one place later: 15 s (2 slots cycling), not a whole slot
+    hold (cycling only the running slot told 30 s more per shed: minutes for a burst's clients)."""
+    q = make_queue(limit=2, service_s=30.0)
+    cap = q.capacity
+    cap.prefill_each, cap.prefill_limit = 2.0, 1.0
+    assert q.offer(Ticket("a", 0, 640.0, 0.0, 2.0), 0.0).kind == "admit"
+    ras = []
+    for i in range(6):
+        t = Ticket("a", 0, 640.0, 0.0, 2.0, key=100 + i)
+        d = q.offer(t, 0.0)
+        assert d.kind == "shed"
+        ras.append(d.retry_after_s)
+    steps = [b - a for a, b in zip(ras, ras[1:])]
+    assert steps == pytest.approx([15.0] * 5)
+
+
 def test_queued_ticket_behind_held_places_is_dispatched_at_once_when_slots_are_free():
     """Held retry places count as work ahead, so a new ticket may queue while slots are free: it is
     dispatched by the same offer, not when some other request later releases a slot."""
