@@ -112,6 +112,24 @@ async def test_every_outcome_gets_one_record_with_costs_and_stop_flushes_all():
     assert cons["cost_usd"] == pytest.approx(fleet_cost, abs=1e-9)
 
 
+async def test_without_sinks_or_spans_no_record_is_built_and_the_books_still_settle():
+    acc, _, clock = make_accountant(sinks=[])
+    await acc.start()
+    for i in range(4):
+        acc.finish(ctx_at(T0 + 1 + i, tenant="ab"[i % 2]))
+    clock.t = T0 + 20
+    await asyncio.sleep(0.3)
+    snap = acc.snapshot()
+    assert snap["ledger"]["held_for_settlement"] == 0 and snap["ledger"]["finished"] == 4
+    assert snap["fleet"]["all"]["requests"] == 4 and snap["fleet"]["all"]["prompt_tokens"] == 400
+    cons = snap["conservation"]
+    assert cons["attributed_usd"] > 0
+    assert cons["attributed_usd"] + cons["idle_usd"] == pytest.approx(cons["cost_usd"], abs=1e-9)
+    by_tenant = [snap["tenants"][t]["windows"]["all"]["gpu"]["attributed_usd"] for t in "ab"]
+    assert min(by_tenant) > 0 and sum(by_tenant) == pytest.approx(cons["attributed_usd"], abs=1e-9)
+    await acc.stop()
+
+
 async def test_idle_fleet_settles_at_once_busy_fleet_holds_back():
     acc, sink, clock = make_accountant()
     await acc.start()

@@ -69,8 +69,15 @@ def _r(x: float | None, nd: int = 3) -> float | None:
     return None if x is None else round(x, nd)
 
 
-def to_record(ctx: RequestContext, work: float) -> dict:
-    """The ledger record of a finished request (field reference: docs/accounting.md)."""
+def timings(ctx: RequestContext) -> tuple[float | None, float | None, float | None, float | None]:
+    """(intake_ms, ttft_ms, tpot_ms, e2e_ms) as the record carries them (rounded to the microsecond)."""
+    return _r(ctx.intake_ms), _r(ctx.ttft_ms), _r(ctx.tpot_ms), _r(ctx.e2e_ms)
+
+
+def to_record(ctx: RequestContext, work: float, times: tuple | None = None) -> dict:
+    """The ledger record of a finished request (field reference: docs/accounting.md); ``times``: its
+    ``timings`` when the caller has them already."""
+    intake_ms, ttft_ms, tpot_ms, e2e_ms = times if times is not None else timings(ctx)
     return {
         "id": ctx.id,
         "client_request_id": ctx.client_request_id,
@@ -97,10 +104,10 @@ def to_record(ctx: RequestContext, work: float) -> dict:
         "completion_tokens": ctx.completion_tokens,
         "cached_tokens": ctx.cached_tokens,
         "usage_source": ctx.usage_source,
-        "intake_ms": _r(ctx.intake_ms),
-        "ttft_ms": _r(ctx.ttft_ms),
-        "tpot_ms": _r(ctx.tpot_ms),
-        "e2e_ms": _r(ctx.e2e_ms),
+        "intake_ms": intake_ms,
+        "ttft_ms": ttft_ms,
+        "tpot_ms": tpot_ms,
+        "e2e_ms": e2e_ms,
         "status_code": ctx.status_code,
         "outcome": ctx.outcome,
         "error": ctx.error,
@@ -308,24 +315,31 @@ class Ledger:
         pool = self._pools.get(ctx.pool) if ctx.pool else None
         ctx.cost_usd = price_sheet_cost(pool, ctx)
         prefill, decode = work_units(self.cfg.cost, ctx)
-        rec = to_record(ctx, prefill + decode)
+        times = timings(ctx)
+        # The record is built for its readers only: the sinks, and a span when spans are exported.
+        telemetry = self.telemetry
+        rec = to_record(ctx, prefill + decode, times) if self.sinks or (
+            telemetry is not None and telemetry.spans) else None
         rows.append(FinishedRow(
             t_end=ctx.wall_start + (ctx.t_end - ctx.t_start), tenant=ctx.tenant, pool=ctx.pool,
             outcome=ctx.outcome, slo_met=ctx.slo_met, cache=ctx.cache, prompt_tokens=ctx.prompt_tokens,
             completion_tokens=ctx.completion_tokens, cached_tokens=ctx.cached_tokens,
             estimated=ctx.usage_source == "estimate", price_usd=ctx.cost_usd))
-        if self.telemetry is not None:
+        if telemetry is not None:
             try:
-                self.telemetry.record(ctx, rec)
+                telemetry.record(ctx, times, rec)
             except Exception:
                 log.exception("telemetry record failed for %s", ctx.id)
         meter = self.meters.get(ctx.pool) if ctx.pool else None
         if meter is None or prefill + decode <= 0:
-            rec["gpu_cost_usd"] = 0.0
-            ready.append(rec)
+            if rec is not None:
+                rec["gpu_cost_usd"] = 0.0
+                ready.append(rec)
             return
         share = Share(key=ctx.id, tenant=ctx.tenant)
         meter.book(share, request_spans(ctx, prefill, decode))
+        if rec is None:
+            return  # no record waits for its GPU $: the meter settles the share into the live windows alone
         if share.pending == 0:  # meter closed (shutdown): nothing more can be attributed
             rec["gpu_cost_usd"] = share.usd
             ready.append(rec)

@@ -108,7 +108,7 @@ class Telemetry:
             readers.append(self._prom)
         tracer_provider = TracerProvider(resource=resource)
         # A span nobody exports is pure cost: build them only when an exporter is configured.
-        self._spans = bool(span_exporters) or bool(cfg.telemetry.otlp_endpoint)
+        self.spans = bool(span_exporters) or bool(cfg.telemetry.otlp_endpoint)
         for exp in span_exporters:
             tracer_provider.add_span_processor(SimpleSpanProcessor(exp))
         endpoint = cfg.telemetry.otlp_endpoint
@@ -173,7 +173,9 @@ class Telemetry:
         return [Observation(m.cost_between(m.started_at, now), {"pool": name}) for name, m in self._meters.items()]
 
     # -- per request --
-    def record(self, ctx: RequestContext, rec: dict) -> None:
+    def record(self, ctx: RequestContext, times: tuple, rec: dict | None = None) -> None:
+        """A finished request: ``times`` are its ledger ``timings`` (intake, ttft, tpot, e2e ms); ``rec`` its
+        ledger record, needed when spans are exported (``spans``)."""
         slo = "n/a" if ctx.slo_met is None else ("true" if ctx.slo_met else "false")
         key = (ctx.endpoint, ctx.model, ctx.outcome, ctx.usage_source, ctx.pool, ctx.tenant, ctx.cache, slo,
                ctx.route, ctx.route_reason)
@@ -184,7 +186,7 @@ class Telemetry:
         if usage_in is not None:
             usage_in.add(ctx.prompt_tokens)
             usage_out.add(ctx.completion_tokens)
-        e2e, ttft, tpot = rec["e2e_ms"], rec["ttft_ms"], rec["tpot_ms"]
+        intake, ttft, tpot, e2e = times
         if e2e is not None:
             duration.add(e2e / 1000.0)
         if ttft is not None and ttft_s is not None:
@@ -208,8 +210,8 @@ class Telemetry:
         sums = self._admission.sums
         sums[admission] = sums.get(admission, 0) + 1
         if ctx.t_validated is not None:
-            self._intake.add(rec["intake_ms"] / 1000.0)
-        if self._spans:
+            self._intake.add(intake / 1000.0)
+        if self.spans:
             self._span(ctx, rec, OPERATION.get(ctx.endpoint, ctx.endpoint))
 
     def _plan(self, key: tuple) -> tuple:
