@@ -46,9 +46,11 @@ class Transport:
     def write_eof(self) -> None: ...
 
 
-def connect(app) -> tuple[object, Transport]:
-    cfg = from_mapping({"pools": [{"name": "p", "models": ["m"], "replicas": ["http://127.0.0.1:9"]}]}, environ={})
-    proto = protocol_class(cfg)(config=uvicorn.Config(app, access_log=False), server_state=ServerState(), app_state={})
+def connect(app, header_s: float = 10.0, keep_alive_s: int = 5) -> tuple[object, Transport]:
+    cfg = from_mapping({"pools": [{"name": "p", "models": ["m"], "replicas": ["http://127.0.0.1:9"]}],
+                        "timeouts": {"client_header_s": header_s}}, environ={})
+    proto = protocol_class(cfg)(config=uvicorn.Config(app, access_log=False, timeout_keep_alive=keep_alive_s),
+                                server_state=ServerState(), app_state={})
     transport = Transport()
     proto.connection_made(transport)
     return proto, transport
@@ -135,3 +137,25 @@ async def test_a_lost_connection_is_reported_to_the_running_request_only():
     fired.clear()
     done.connection_lost(None)
     assert fired == [] and t2.writes
+
+
+async def test_the_head_deadline_follows_each_response_with_one_timer():
+    async def app(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"0")]})
+        await send({"type": "http.response.body", "body": b""})
+
+    proto, t = connect(app, header_s=0.2, keep_alive_s=60)  # only the head deadline may close this connection
+    timers = {id(proto._head_timer)}
+    for _ in range(10):  # 0.5 s of requests 50 ms apart: each response re-arms the deadline, never closed
+        await asyncio.sleep(0.05)
+        proto.data_received(REQUEST)
+        await settle()
+        timers.add(id(proto._head_timer))
+        assert not t.closed
+    assert len(t.writes) == 10 and len(timers) <= 4  # a timer per deadline period, not one per response
+    proto.data_received(REQUEST[:10])  # part of a head, then nothing
+    await asyncio.sleep(0.35)
+    assert b" 408 " in t.writes[-1].split(b"\r\n")[0]  # answered (then half-closed: lingering)
+    proto.connection_lost(None)
+    assert proto._head_timer is None

@@ -155,23 +155,39 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._head_bytes = 0  # bytes received for the current head
         self._url_bytes = 0
         self._fields_bytes = 0
-        self._head_timer = None  # armed while waiting for a request head
+        self._head_timer = None  # scheduled while a head deadline is (or was recently) armed
+        self._head_deadline: float | None = None  # loop time by which the awaited request head must be complete
         self._lingering: int | None = None  # refused: bytes still to discard before closing (see _linger)
         self._linger_timer = None
         self._running: RequestResponseCycle | None = None  # the request whose app task runs now
 
     # -- waiting for a head --
+    # A kept-alive connection arms the head deadline after every response and disarms it at the next
+    # head: that only moves ``_head_deadline``. One timer stays scheduled; when it fires early (the
+    # deadline moved on since) it is set again for the new deadline, when disarmed it does nothing.
     def _arm(self) -> None:
-        self._disarm()
-        self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_timeout)
+        self._head_deadline = self.loop.time() + self.header_timeout_s
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_at(self._head_deadline, self._head_timeout)
 
     def _disarm(self) -> None:
+        self._head_deadline = None
+
+    def _cancel_timer(self) -> None:
+        self._head_deadline = None
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
 
     def _head_timeout(self) -> None:
         self._head_timer = None
+        deadline = self._head_deadline
+        if deadline is None:
+            return
+        if self.loop.time() < deadline:  # armed again since this timer was set
+            self._head_timer = self.loop.call_at(deadline, self._head_timeout)
+            return
+        self._head_deadline = None
         if self.transport.is_closing() or (self.cycle is not None and not self.cycle.response_complete):
             return
         if self._head_bytes:
@@ -209,7 +225,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
+        self._cancel_timer()
         if self._linger_timer is not None:
             self._linger_timer.cancel()
         super().connection_lost(exc)

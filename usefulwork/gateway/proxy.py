@@ -38,6 +38,32 @@ from usefulwork.upstream.http1 import UpstreamError, UpstreamTimeout
 log = logging.getLogger("usefulwork.proxy")
 
 
+class _RequestIds:
+    """Random request ids (96 bits, hex), cut from one ``os.urandom`` read per 1024 ids instead of a
+    ``getrandom`` syscall per request. A forked child starts a fresh block (``os.register_at_fork``),
+    so two worker processes never hand out the same ids."""
+
+    BLOCK = 12 * 1024
+
+    def __init__(self) -> None:
+        self._block = b""
+        self._at = 0
+        os.register_at_fork(after_in_child=self.reset)
+
+    def reset(self) -> None:
+        self._block, self._at = b"", 0
+
+    def __call__(self) -> str:
+        at = self._at
+        if at >= len(self._block):
+            self._block, at = os.urandom(self.BLOCK), 0
+        self._at = at + 12
+        return self._block[at:at + 12].hex()
+
+
+new_request_id = _RequestIds()
+
+
 
 @dataclass(frozen=True, slots=True)
 class Operation:
@@ -160,7 +186,7 @@ class Endpoint:
                 length = v
             elif k == b"x-request-id":
                 client_id = v
-        ctx = RequestContext(id=os.urandom(12).hex(), endpoint=self.op.name, model="", stream=False)
+        ctx = RequestContext(id=new_request_id(), endpoint=self.op.name, model="", stream=False)
         if client_id:
             ctx.client_request_id = client_id.decode("latin-1")[:128]
         intake.accountant.begin(ctx)

@@ -96,6 +96,15 @@ def _server(config, drain):
     return GatewayServer(config)
 
 
+def proxy_headers_for_routes(app, trusted_hosts) -> None:
+    """uvicorn's X-Forwarded-* middleware (a trusted proxy's client address and scheme) around the Starlette
+    routes, which read them, instead of in front of every request: the hot endpoints (``app.HotPaths``)
+    read neither, and skip its header scan and extra call."""
+    from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
+
+    app.app = ProxyHeadersMiddleware(app.app, trusted_hosts=trusted_hosts)
+
+
 def run_gateway(cfg: Config, log_level: str = "warning", sockets=None, quiet: bool = False) -> None:
     import uvicorn
 
@@ -104,7 +113,9 @@ def run_gateway(cfg: Config, log_level: str = "warning", sockets=None, quiet: bo
 
     app = build_app(cfg)
     uv = uvicorn.Config(app, host=cfg.listen.host, port=cfg.listen.port, loop="auto", http=protocol_class(cfg),
-                        access_log=False, log_level=log_level, lifespan="on", timeout_graceful_shutdown=10)
+                        access_log=False, log_level=log_level, lifespan="on", timeout_graceful_shutdown=10,
+                        proxy_headers=False)
+    proxy_headers_for_routes(app, uv.forwarded_allow_ips)
     server = _server(uv, app.state.drain)
     if not quiet:
         _say(f"gateway listening on http://{cfg.listen.host}:{cfg.listen.port}/v1  "

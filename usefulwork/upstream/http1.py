@@ -108,7 +108,7 @@ class Response:
             self._wake()
 
     async def _wait(self) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self._conn.loop
         self._waiter = fut = loop.create_future()
         timer = loop.call_later(self._timeout, self._on_timeout, fut)
         try:
@@ -178,10 +178,11 @@ class Response:
 
 
 class _Conn(asyncio.Protocol):
-    __slots__ = ("pool", "transport", "parser", "closed", "resp", "_paused", "_interim", "idle_since")
+    __slots__ = ("pool", "loop", "transport", "parser", "closed", "resp", "_paused", "_interim", "idle_since")
 
-    def __init__(self, pool: "UpstreamPool"):
+    def __init__(self, pool: "UpstreamPool", loop: asyncio.AbstractEventLoop):
         self.pool = pool
+        self.loop = loop  # the connection's own loop (asyncio.get_running_loop() costs a getpid() per call)
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
@@ -271,6 +272,7 @@ class UpstreamPool:
         self.tls = u.scheme == "https"
         self.port = u.port or (443 if self.tls else 80)
         self.prefix = u.path.rstrip("/")
+        self._prefix = self.prefix.encode()
         host = f"[{self.host}]" if ":" in self.host else self.host  # never user:password@
         self.host_header = (host if u.port is None else f"{host}:{u.port}").encode()
         self.connect_timeout = connect_timeout
@@ -288,7 +290,7 @@ class UpstreamPool:
         loop = asyncio.get_running_loop()
         try:
             _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: _Conn(self), self.host, self.port, ssl=self._ssl,
+                loop.create_connection(lambda: _Conn(self, loop), self.host, self.port, ssl=self._ssl,
                                        server_hostname=self.host if self.tls else None),
                 self.connect_timeout)
         except (OSError, asyncio.TimeoutError) as exc:
@@ -308,8 +310,8 @@ class UpstreamPool:
 
     async def request(self, method: bytes, path: bytes, body: bytes, headers: bytes = b"") -> Response:
         """Send a request; return once the response headers arrived. ``headers``: raw header lines."""
-        data = b"".join((method, b" ", self.prefix.encode(), path, b" HTTP/1.1\r\nhost: ", self.host_header,
-                         b"\r\ncontent-length: ", str(len(body)).encode(), b"\r\n", headers, b"\r\n", body))
+        data = b"".join((method, b" ", self._prefix, path, b" HTTP/1.1\r\nhost: ", self.host_header,
+                         b"\r\ncontent-length: %d\r\n" % len(body), headers, b"\r\n", body))
         idempotent = method in IDEMPOTENT
         for attempt in (0, 1):
             conn = None
