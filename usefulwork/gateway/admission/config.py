@@ -41,11 +41,10 @@ class AdmissionCfg(BaseModel):
     tenant_active_s: float = Field(30.0, gt=0, description="A tenant counts toward the fair shares for this long after "
                                    "its last request.")
     max_queue: int = Field(4096, ge=0, description="Queued requests per pool beyond which new ones are shed.")
-    retry_return_prior: float = Field(1.0, ge=0, le=1, description="Share of a tenant's shed requests assumed to come "
-                                      "back at their Retry-After before any of its held places has ended (then it is "
-                                      "learnt per tenant): each shed request of a returning tenant is told a later "
-                                      "time than the last, so retries do not come back together. 1.0: the OpenAI SDKs "
-                                      "retry a 429 after retry-after-ms by default.")
+    retry_return_prior: float = Field(0.5, ge=0, le=1, description="Share of a tenant's shed requests assumed to come "
+                                      "back at their Retry-After before any of its held places has ended (counted as one "
+                                      "ended place; then it is learnt per tenant). Higher spreads a retrying tenant's "
+                                      "first wave better and holds more places for a tenant whose clients never return.")
     redis_url: str | None = Field(None, description="Redis shared by all gateway processes for rate limits and budgets "
                                   "(None: per-process limits).")
     redis_prefix: str = Field("usefulwork:admission", description="Prefix of the Redis keys.")
