@@ -257,9 +257,10 @@ class PoolQueue:
         limit 2 with one running while the prefill gate held the other, told 35 s more per shed.)"""
         cap = self.capacity
         service = cap.slot_hold() if cap.service else (cap.slo_e2e_s or 0.0)
-        starts = sorted(x.admitted_at for x in self.running) + [now] * free
-        rounds, i = divmod(position - 1, len(starts))
-        return max(1e-3, starts[i] + service * (rounds + 1) - now)  # overdue: any moment (not "now": no slot is free)
+        starts = sorted(x.admitted_at for x in self.running)  # then the ``free`` slots, taken now
+        rounds, i = divmod(position - 1, len(starts) + free)
+        start = starts[i] if i < len(starts) else now
+        return max(1e-3, start + service * (rounds + 1) - now)  # overdue: any moment (not "now": no slot is free)
 
     def budget(self, t: Ticket, now: float) -> float:
         """How long ``t`` may wait and still meet its TTFT deadline and the E2E SLO."""
