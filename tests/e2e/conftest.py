@@ -44,6 +44,27 @@ class Gateway:
         return self.proc.returncode
 
 
+_STARTED: list[tuple[float, Gateway]] = []  # (when, gateway): read by the failure report below
+_TEST_START = [0.0]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed e2e test's report ends with the log of every gateway it could have talked to (those
+    started during the test, and those still running): a gateway's error is otherwise lost with its
+    temporary directory, and a failure seen once in CI could not be diagnosed."""
+    if call.when == "setup":
+        _TEST_START[0] = call.start
+    report = (yield).get_result()
+    if report.failed:
+        for started, gw in _STARTED:
+            if started >= _TEST_START[0] or gw.proc.poll() is None:
+                lines = gw.log_text().splitlines()[-80:]
+                report.sections.append((f"gateway {gw.url} log (last {len(lines)} lines)", "\n".join(lines)))
+    if call.when == "teardown":
+        _STARTED[:] = [(t, gw) for t, gw in _STARTED if gw.proc.poll() is None]
+
+
 def start_gateway(tmp_path: Path, cfg: dict, ready_timeout: float = 60.0, wait_ready: bool = True,
                   env: dict | None = None) -> Gateway:
     port = free_port()
@@ -56,6 +77,7 @@ def start_gateway(tmp_path: Path, cfg: dict, ready_timeout: float = 60.0, wait_r
         stdout=open(log, "wb"), stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
     )
     gw = Gateway(f"http://127.0.0.1:{port}", proc, log, cfg_path)
+    _STARTED.append((time.time(), gw))
     deadline = time.monotonic() + ready_timeout
     path = "/readyz" if wait_ready else "/healthz"
     while time.monotonic() < deadline:
