@@ -152,3 +152,31 @@ async def test_otlp_http_export_when_configured(tmp_path):
     service = {a.value.string_value for req in got["/v1/traces"] for rs in req.resource_spans
                for a in rs.resource.attributes if a.key == "service.name"}
     assert service == {"uw-test"}
+
+
+def test_a_replaced_prometheus_reader_shuts_down_without_error():
+    """A second gateway in one process replaces the first's Prometheus reader (unregistering its
+    collector); shutting the first down afterwards raised MeterProvider's KeyError exception, and a
+    never-shut one printed it from its atexit hook after the test run."""
+    cfg = make_cfg()
+    first, second = Telemetry(cfg, {}), Telemetry(cfg, {})
+    first.shutdown()  # raised: "PrometheusMetricReader: KeyError(<..._CustomCollector ...>)"
+    assert second._prom._collector in prometheus_client.REGISTRY._collector_to_names  # /metrics still served
+    second.shutdown()
+    assert second._prom._collector not in prometheus_client.REGISTRY._collector_to_names
+    second.shutdown()  # twice: nothing raised either (the SDK only warns)
+
+
+def test_no_shutdown_exception_at_exit_with_two_gateways_in_one_process():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("from tests.gateway.accounting.test_ledger import make_cfg\n"
+            "from usefulwork.gateway.accounting.telemetry import Telemetry\n"
+            "cfg = make_cfg()\n"
+            "a, b = Telemetry(cfg, {}), Telemetry(cfg, {})\n")  # neither shut down: the atexit hooks do it
+    root = Path(__file__).resolve().parents[3]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "Exception" not in out.stderr and "KeyError" not in out.stderr, out.stderr

@@ -57,6 +57,9 @@ MAX_PLANS = 4096  # label sets remembered by Telemetry.record (see _plan)
 
 # The Prometheus reader of the most recently built app. Registering a second one would make
 # /metrics repeat every series (tests build several apps in one process): the newest replaces it.
+# The replaced reader's collector is then no longer registered, so its own shutdown (the SDK's, from
+# Telemetry.shutdown or the MeterProvider's atexit hook) must not unregister it again: the exporter's
+# shutdown raises KeyError there, and MeterProvider.shutdown turns that into an exception.
 _prom_lock = threading.Lock()
 _prom_current: Any = None
 
@@ -65,10 +68,14 @@ def _install_prometheus_reader() -> MetricReader:
     global _prom_current
     from opentelemetry.exporter.prometheus import PrometheusMetricReader
 
+    class _Reader(PrometheusMetricReader):
+        def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+            _unregister(self)  # a replaced reader's collector is already gone
+
     with _prom_lock:
         if _prom_current is not None:
             _unregister(_prom_current)
-        reader = PrometheusMetricReader(disable_target_info=True, scope_info_enabled=False)
+        reader = _Reader(disable_target_info=True, scope_info_enabled=False)
         _prom_current = reader
         return reader
 
@@ -78,7 +85,7 @@ def _unregister(reader: Any) -> None:
     if collector is None:
         return
     try:
-        prometheus_client.REGISTRY.unregister(collector)
+        getattr(reader, "_registry", prometheus_client.REGISTRY).unregister(collector)
     except KeyError:
         pass  # already gone
 
