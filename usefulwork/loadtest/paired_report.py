@@ -19,6 +19,8 @@ def _figure_rows(block: dict[str, Any]) -> list[list[str]]:
         lo, hi = e["ci95"]
         ci = "-" if lo is None else f"[{lo:+.4g}, {hi:+.4g}]"
         real = '<span class="miss">real</span>' if e["real"] else '<span class="pass">within noise</span>'
+        if e.get("judged") is False:
+            real = f'too few requests (needs {e["min_requests"]})'
         rows.append([html.escape(k), _fmt(e["baseline"]), _fmt(e["candidate"]),
                      "-" if e["diff"] is None else f"{e['diff']:+.4g}",
                      "-" if e["diff_pct"] is None else f"{e['diff_pct']:+.1f}%", ci, _fmt(e["noise_floor"]), real])
@@ -46,7 +48,8 @@ def render_html(data: dict[str, Any]) -> str:
     runs = [("baseline", data["baseline"]), ("candidate", data["candidate"])]
     parts.append(f"<h2>Latency</h2><img alt='latency CDFs' src='data:image/png;base64,{plot_cdfs(runs)}'>")
     parts.append("<p>Differences are candidate - baseline over the same requests; 95% intervals from a paired "
-                 "bootstrap; the noise floor is the largest difference a baseline-vs-baseline pass admits. "
+                 "bootstrap; the noise floor is the largest difference a baseline-vs-baseline pass admits; a "
+                 "latency quantile is judged only over enough successful requests per side. "
                  "Agreement rows: baseline = baseline-vs-baseline agreement, candidate = candidate-vs-baseline.</p>")
     parts.append("</body></html>")
     return "".join(parts)

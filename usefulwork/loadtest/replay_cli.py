@@ -55,6 +55,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-noise-pass", action="store_true", help="skip the baseline-vs-baseline pass (no noise floor)")
     p.add_argument("--no-embedding", action="store_true", help="compare outputs by exact match only (no model load)")
     p.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples (default 1000)")
+    p.add_argument("--alpha", type=float, default=0.05, help="paired comparison: the family-wise false-alarm "
+                   "level of the verdict (default 0.05; a smaller one needs more resamples, ~24/alpha)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, help="write the JSON results here")
     p.add_argument("--html", type=Path, help="write the offline HTML report here")
@@ -83,6 +85,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
                           "or --export-mooncake FILE")
     if modes[1] and not (args.baseline and args.candidate):
         raise ReplayError("a paired comparison needs both --baseline and --candidate")
+    if not 0.0 < args.alpha < 1.0:
+        raise ReplayError(f"--alpha must be between 0 and 1, got {args.alpha}")
     if args.shadow_log:
         return _mirrored(args, console)
     workload, log = rp.load_workload(args.log, args.speed)
@@ -169,7 +173,7 @@ def _paired(args: argparse.Namespace, console: Console, workload) -> int:
         return 130
     embed = None if args.no_embedding else _embedder()
     data = build_paired(workload, main, noise, base, cand, slo=slo, usd_a=args.usd_per_hour, usd_b=usd_b,
-                        embed=embed, resamples=args.resamples, seed=args.seed)
+                        embed=embed, resamples=args.resamples, seed=args.seed, alpha=args.alpha)
     data["meta"] = {"log": str(args.log), "speed": args.speed, "baseline": base.base_url,
                     "candidate": cand.base_url, "noise_pass": noise is not None}
     console.print(data["comparison"]["verdict"])
@@ -195,7 +199,7 @@ def _mirrored(args: argparse.Namespace, console: Console) -> int:
     usd_b = args.candidate_usd_per_hour if args.candidate_usd_per_hour is not None else args.usd_per_hour
     data = build_paired(workload, main, None, Target(str(args.log), ""), Target(str(args.shadow_log), ""),
                         slo=_slo(args), usd_a=args.usd_per_hour, usd_b=usd_b, embed=None,
-                        resamples=args.resamples, seed=args.seed)
+                        resamples=args.resamples, seed=args.seed, alpha=args.alpha)
     data["meta"] = {"log": str(args.log), "shadow_log": str(args.shadow_log), "pairs": len(main.a),
                     "noise_pass": False}
     console.print(f"{len(main.a)} mirrored pairs; " + data["comparison"]["verdict"])
@@ -221,12 +225,12 @@ def _embedder():
 
 
 def build_paired(workload, main, noise, base, cand, *, slo: SLOSpec, usd_a: float, usd_b: float, embed,
-                 resamples: int = 1000, seed: int = 0) -> dict[str, Any]:
+                 resamples: int = 1000, seed: int = 0, alpha: float = 0.05) -> dict[str, Any]:
     from usefulwork.loadtest import paired as pr
 
     return {
         "comparison": pr.analyse(workload, main, noise, slo=slo, usd_per_hour_a=usd_a, usd_per_hour_b=usd_b,
-                                 embed=embed, resamples=resamples, seed=seed),
+                                 embed=embed, resamples=resamples, seed=seed, alpha=alpha),
         "baseline": pr.side_result(main.a, main.wall_start, workload, base, slo, usd_a, "baseline"),
         "candidate": pr.side_result(main.b, main.wall_start, workload, cand, slo, usd_b, "candidate"),
         "interrupted": main.interrupted,
