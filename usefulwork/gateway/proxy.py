@@ -64,7 +64,6 @@ class _RequestIds:
 new_request_id = _RequestIds()
 
 
-
 @dataclass(frozen=True, slots=True)
 class Operation:
     """One OpenAI operation the gateway serves."""

@@ -74,10 +74,10 @@ def timings(ctx: RequestContext) -> tuple[float | None, float | None, float | No
     return _r(ctx.intake_ms), _r(ctx.ttft_ms), _r(ctx.tpot_ms), _r(ctx.e2e_ms)
 
 
-def to_record(ctx: RequestContext, work: float, times: tuple | None = None) -> dict:
+def to_record(ctx: RequestContext, work: float, times: tuple) -> dict:
     """The ledger record of a finished request (field reference: docs/accounting.md); ``times``: its
-    ``timings`` when the caller has them already."""
-    intake_ms, ttft_ms, tpot_ms, e2e_ms = times if times is not None else timings(ctx)
+    ``timings``."""
+    intake_ms, ttft_ms, tpot_ms, e2e_ms = times
     return {
         "id": ctx.id,
         "client_request_id": ctx.client_request_id,

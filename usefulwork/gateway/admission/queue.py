@@ -262,9 +262,13 @@ class PoolQueue:
         start = starts[i] if i < len(starts) else now
         return max(1e-3, start + service * (rounds + 1) - now)  # overdue: any moment (not "now": no slot is free)
 
+    def ttft_budget(self, t: Ticket, now: float) -> float:
+        """How long ``t`` may wait and still meet its TTFT deadline (the E2E SLO aside)."""
+        return t.deadline - now - self.est_ttft(t.cls)
+
     def budget(self, t: Ticket, now: float) -> float:
         """How long ``t`` may wait and still meet its TTFT deadline and the E2E SLO."""
-        b = t.deadline - now - self.est_ttft(t.cls)
+        b = self.ttft_budget(t, now)
         if self.e2e_slo_s is not None and t.deadline - t.arrival <= self.e2e_slo_s:
             b = min(b, t.arrival + self.e2e_slo_s - now - self.capacity.est_e2e(t.max_tokens))
         return b
@@ -332,13 +336,13 @@ class PoolQueue:
         # Come back when everything ahead, promised retries included, has drained to what a fresh
         # request's budget allows; hold that place for this tenant.
         rate = self.drain_rate(t.cls)
-        full_budget = max(0.0, t.deadline - t.arrival - self.est_ttft(t.cls))
+        full_budget = max(0.0, self.ttft_budget(t, t.arrival))
         if rate:
             # + 2 dispatch intervals of margin: a retry told the exact boundary would miss half the time.
             # (A Retry-After from the predicted wait of the place behind every promised one, against the
-            # E2E-bound budget, admitted more first retries in the wall-clock experiment (70-79% against
+            # E2E-bound ``budget``, admitted more first retries in the wall-clock experiment (70-79% against
             # 68%) but held retried requests longer: in the autoscale what-if, whose SLO counts from the
-            # first send, attainment fell from 98.2% to 87.9%. Not kept: docs/admission.md.)
+            # first send, attainment fell from 98.5% to 87.9%. Not kept: docs/admission.md.)
             promised = round(sum(self.return_rate(x) * n for x, n in self._held_by.items()))
             behind_all = self.ahead_of(t) + promised + 4 - max(0, self.free(t.cls, t.tenant))
             retry = max(0.0, behind_all / rate - QUEUE_SAFETY * full_budget)
