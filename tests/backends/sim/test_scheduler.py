@@ -232,7 +232,9 @@ def test_roofline_decode_is_bandwidth_bound_and_scales_with_hardware():
     a100, h100 = itl("A100-80G"), itl("H100-SXM")
     # decode floor: 16.06 GB of weights / (2.04 TB/s x efficiency) ~ 9.3 ms, plus step overhead
     assert 0.008 < a100 < 0.014
-    assert h100 < a100 * 0.75  # 3.35 vs 2.04 TB/s
+    # 3.35 vs 2.04 TB/s; the H100 reaches 0.70 of its 3.35 on a one-sequence decode (measured on a real
+    # H100, docs/bench/gpu-roofline-h100.json), the A100's 0.85 is not measured here
+    assert h100 < a100 * 0.8
     assert itl("A100-80G", precision="int4") < a100 * 0.45  # a quarter of the bytes
     assert itl("A100-80G", "Llama-3.1-70B", tp=4) < itl("A100-80G", "Llama-3.1-70B", tp=2)
 
