@@ -15,6 +15,7 @@ import uuid
 import pytest
 
 from tests.conftest import free_port
+from usefulwork.gateway.admission.lease import LeasedLimits
 from usefulwork.gateway.admission.limits import FailoverLimits, LocalLimits, RedisLimits, StoreDown
 from usefulwork.gateway.tenants import TenantCfg
 
@@ -36,9 +37,10 @@ def test_local_bucket_refills_on_the_virtual_clock():
     asyncio.run(go())
 
 
-def test_redis_limits_rpm_tpm_budget(redis_url):
+@pytest.mark.parametrize("store", [RedisLimits, LeasedLimits])
+def test_redis_limits_rpm_tpm_budget(redis_url, store):
     prefix = f"uwtest:{uuid.uuid4().hex}"
-    lim = RedisLimits(redis_url, prefix)
+    lim = store(redis_url, prefix)
     cfg = TenantCfg(rpm=5, tpm=1000, budget_usd_per_day=1.0)
 
     async def go():
@@ -64,11 +66,14 @@ def test_redis_limits_rpm_tpm_budget(redis_url):
 
 _WORKER = r"""
 import asyncio, sys, time
+from usefulwork.gateway.admission.lease import LeasedLimits
 from usefulwork.gateway.admission.limits import RedisLimits
 from usefulwork.gateway.tenants import TenantCfg
-url, prefix, n, start_at = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+url, prefix, n, start_at, kind = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
 async def main():
-    lim = RedisLimits(url, prefix, timeout_s=5.0)  # atomicity under test, not timeouts (a loaded CI box)
+    # atomicity under test, not timeouts (a loaded CI box); leases of up to 5% of the limit
+    lim = (LeasedLimits(url, prefix, timeout_s=5.0, max_fraction=0.05) if kind == "lease"
+           else RedisLimits(url, prefix, timeout_s=5.0))
     cfg = TenantCfg(rpm=1000)
     while time.time() < start_at:
         await asyncio.sleep(0.001)
@@ -84,13 +89,15 @@ asyncio.run(main())
 """
 
 
-def test_two_processes_share_one_limit_without_overshoot(redis_url):
+@pytest.mark.parametrize("kind", ["plain", "lease"])
+def test_two_processes_share_one_limit_without_overshoot(redis_url, kind):
     """Two processes fire 1500 checks each at once against rpm=1000: what they admit together
-    stays within 1% of the limit plus what refilled while they ran."""
+    stays within 1% of the limit plus what refilled while they ran (one script per check, or leased
+    grants: LeasedLimits)."""
     prefix = f"uwtest:{uuid.uuid4().hex}"
     start_at = time.time() + 1.5
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    procs = [subprocess.Popen([sys.executable, "-c", _WORKER, redis_url, prefix, "1500", str(start_at)],
+    procs = [subprocess.Popen([sys.executable, "-c", _WORKER, redis_url, prefix, "1500", str(start_at), kind],
                               stdout=subprocess.PIPE, text=True, env=env) for _ in range(2)]
     outs = [p.communicate(timeout=60)[0].split() for p in procs]
     admitted = sum(int(o[0]) for o in outs)
@@ -124,7 +131,8 @@ def _start_redis(port: int, tmp) -> subprocess.Popen:
 
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed (make test installs it)")
-def test_redis_killed_and_restarted_fails_open_logs_once_and_recovers(tmp_path, caplog):
+@pytest.mark.parametrize("store", [RedisLimits, LeasedLimits])
+def test_redis_killed_and_restarted_fails_open_logs_once_and_recovers(tmp_path, caplog, store):
     port = free_port()
     server = _start_redis(port, tmp_path)
     url = f"redis://127.0.0.1:{port}/0"
@@ -132,7 +140,7 @@ def test_redis_killed_and_restarted_fails_open_logs_once_and_recovers(tmp_path, 
     caplog.set_level(logging.WARNING, logger="usefulwork.admission")
 
     async def go():
-        lim = FailoverLimits(RedisLimits(url, "uw"), LocalLimits(), retry_s=0.3)
+        lim = FailoverLimits(store(url, "uw"), LocalLimits(), retry_s=0.3)
         try:
             assert (await lim.check("t", cfg, 1)).ok and not lim.down
             server.kill()
@@ -165,11 +173,12 @@ def test_redis_killed_and_restarted_fails_open_logs_once_and_recovers(tmp_path, 
             server.kill()
 
 
-def test_fail_closed_raises_store_down_while_redis_is_unreachable():
+@pytest.mark.parametrize("store", [RedisLimits, LeasedLimits])
+def test_fail_closed_raises_store_down_while_redis_is_unreachable(store):
     url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
 
     async def go():
-        lim = FailoverLimits(RedisLimits(url, "uw"), LocalLimits(), fail_closed=True)
+        lim = FailoverLimits(store(url, "uw"), LocalLimits(), fail_closed=True)
         try:
             with pytest.raises(StoreDown):
                 await lim.check("t", TenantCfg(rpm=10), 1)

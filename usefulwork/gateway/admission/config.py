@@ -52,3 +52,16 @@ class AdmissionCfg(BaseModel):
                                                      "per-process limits; 'closed' answers 503.")
     redis_timeout_s: float = Field(1.0, gt=0, description="Per-command Redis timeout; slower counts as down.")
     redis_retry_s: float = Field(2.0, gt=0, description="How often to try Redis again after it failed.")
+    lease: bool = Field(True, description="With redis_url: each process takes rpm / tpm grants from the shared "
+                        "buckets in batches (debited up front, so the fleet never admits more than the buckets allow) "
+                        "and admits from them locally, refilling in the background; token corrections are sent in batches. "
+                        "False: one Redis script per request (and per settle).")
+    lease_horizon_s: float = Field(0.2, gt=0, description="A grant covers this long of the process's recent traffic "
+                                   "for the tenant (at least one request).")
+    lease_max_fraction: float = Field(0.01, gt=0, le=1, description="A grant is at most this share of the tenant's "
+                                      "rpm limit, of its tpm limit, and of the budget left today.")
+    lease_idle_s: float = Field(0.5, gt=0, description="A grant unused this long (no request of that tenant in the "
+                                "process) is given back to the shared buckets.")
+    settle_flush_s: float = Field(0.1, gt=0, description="With lease: how often the pending token corrections "
+                                  "(and spend that Redis did not take) and idle grants are sent to Redis; also on "
+                                  "shutdown.")

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from usefulwork.gateway.admission.capacity import Capacity, Sample
 from usefulwork.gateway.admission.config import AdmissionCfg
+from usefulwork.gateway.admission.lease import LeasedLimits
 from usefulwork.gateway.admission.limits import (FailoverLimits, FairShareSync, Limits, LocalLimits, RedisLimits,
                                                 StoreDown)
 from usefulwork.gateway.admission.queue import PoolQueue, Ticket, retry_after_header
@@ -89,8 +90,12 @@ class AdmissionFilter:
         if limits is None:
             local = LocalLimits()
             if self.cfg.redis_url:
-                limits = FailoverLimits(RedisLimits(self.cfg.redis_url, self.cfg.redis_prefix, self.cfg.redis_timeout_s), local,
-                                        fail_closed=self.cfg.on_redis_down == "closed", retry_s=self.cfg.redis_retry_s)
+                c = self.cfg
+                shared = LeasedLimits(c.redis_url, c.redis_prefix, c.redis_timeout_s, horizon_s=c.lease_horizon_s,
+                                      max_fraction=c.lease_max_fraction, idle_s=c.lease_idle_s,
+                                      flush_s=c.settle_flush_s) if c.lease else \
+                    RedisLimits(c.redis_url, c.redis_prefix, c.redis_timeout_s)
+                limits = FailoverLimits(shared, local, fail_closed=c.on_redis_down == "closed", retry_s=c.redis_retry_s)
             else:
                 limits = local
         self.limits = limits
@@ -405,6 +410,10 @@ class AdmissionFilter:
 
     def stats(self) -> dict[str, Any]:
         down = getattr(self.limits, "down", False)
-        return {"decisions": dict(self.decisions), "pools": {n: q.stats() for n, q in self.queues.items()},
-                "limits_store": "redis" if isinstance(self.limits, FailoverLimits) else "process",
-                "redis_down": down}
+        shared = getattr(self.limits, "shared", None)
+        out = {"decisions": dict(self.decisions), "pools": {n: q.stats() for n, q in self.queues.items()},
+               "limits_store": "redis" if isinstance(self.limits, FailoverLimits) else "process",
+               "redis_down": down}
+        if isinstance(shared, LeasedLimits):
+            out["limits_lease_calls"] = dict(shared.calls)
+        return out

@@ -111,19 +111,23 @@ class LocalLimits:
         return None
 
 
-_CHECK = """
+# Redis's clock, and a bucket's level now (refilled continuously up to its capacity): shared by the scripts.
+LUA_LEVEL = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local rpm, tpm, cost, budget = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-if budget >= 0 then
-  local spent = tonumber(redis.call('GET', KEYS[3]) or '0')
-  if spent >= budget then return {0, 'budget', '-1'} end
-end
 local function level(key, cap)
   local v = redis.call('HMGET', key, 'level', 'ts')
   local lvl, ts = tonumber(v[1]), tonumber(v[2])
   if lvl == nil then return cap end
   return math.min(cap, lvl + (now - ts) * cap / 60.0)
+end
+"""
+
+_CHECK = LUA_LEVEL + """
+local rpm, tpm, cost, budget = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+if budget >= 0 then
+  local spent = tonumber(redis.call('GET', KEYS[3]) or '0')
+  if spent >= budget then return {0, 'budget', '-1'} end
 end
 local r, k = 0, 0
 if rpm > 0 then
@@ -262,6 +266,13 @@ class FailoverLimits:
         return await self.local.check(tenant, cfg, tokens)
 
     async def settle(self, tenant: str, cfg: TenantCfg, token_delta: int, usd: float) -> None:
+        if getattr(self.shared, "buffered_settle", False):
+            # (LeasedLimits: kept until Redis takes it, so the fleet's spend stays whole; while down the
+            # per-process limits count it too)
+            await self.shared.settle(tenant, cfg, token_delta, usd)
+            if self.down:
+                await self.local.settle(tenant, cfg, token_delta, usd)
+            return
         if self._use_shared():
             try:
                 await self.shared.settle(tenant, cfg, token_delta, usd)
