@@ -61,6 +61,17 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
+def sized_app(body: bytes = b"", length: int | None = None):
+    """An app answering every request with ``body`` under a Content-Length of ``length`` (default: its size)."""
+    async def app(scope, receive, send):
+        await receive()
+        n = len(body) if length is None else length
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % n)]})
+        await send({"type": "http.response.body", "body": body})
+
+    return app
+
+
 async def test_a_sized_response_is_one_write_with_its_head():
     async def app(scope, receive, send):
         await receive()
@@ -99,12 +110,7 @@ async def test_a_stream_gets_its_head_at_once():
 
 
 async def test_a_held_head_is_written_when_no_body_bytes_follow():
-    async def app(scope, receive, send):
-        await receive()
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"0")]})
-        await send({"type": "http.response.body", "body": b""})
-
-    proto, t = connect(app)
+    proto, t = connect(sized_app())
     proto.data_received(REQUEST)
     await settle()
     assert b"".join(t.writes).startswith(b"HTTP/1.1 200 OK\r\n") and b"".join(t.writes).endswith(b"\r\n\r\n")
@@ -139,6 +145,19 @@ async def test_a_lost_connection_is_reported_to_the_running_request_only():
     assert fired == [] and t2.writes
 
 
+async def ten_requests_on_one_timer(proto, t: Transport, deadline) -> None:
+    """0.5 s of requests 50 ms apart: each response moves ``deadline`` (a MovingDeadline), which never
+    expires, and a timer is made per deadline period, not per response."""
+    timers = {id(deadline.timer)}
+    for _ in range(10):
+        await asyncio.sleep(0.05)
+        proto.data_received(REQUEST)
+        await settle()
+        timers.add(id(deadline.timer))
+        assert not t.closed
+    assert len(t.writes) == 10 and len(timers) <= 4
+
+
 async def test_the_head_deadline_follows_each_response_with_one_timer():
     async def app(scope, receive, send):
         await receive()
@@ -146,16 +165,50 @@ async def test_the_head_deadline_follows_each_response_with_one_timer():
         await send({"type": "http.response.body", "body": b""})
 
     proto, t = connect(app, header_s=0.2, keep_alive_s=60)  # only the head deadline may close this connection
-    timers = {id(proto._head_timer)}
-    for _ in range(10):  # 0.5 s of requests 50 ms apart: each response re-arms the deadline, never closed
-        await asyncio.sleep(0.05)
-        proto.data_received(REQUEST)
-        await settle()
-        timers.add(id(proto._head_timer))
-        assert not t.closed
-    assert len(t.writes) == 10 and len(timers) <= 4  # a timer per deadline period, not one per response
+    await ten_requests_on_one_timer(proto, t, proto._head_deadline)
     proto.data_received(REQUEST[:10])  # part of a head, then nothing
     await asyncio.sleep(0.35)
     assert b" 408 " in t.writes[-1].split(b"\r\n")[0]  # answered (then half-closed: lingering)
     proto.connection_lost(None)
-    assert proto._head_timer is None
+    assert proto._head_deadline.timer is None
+
+
+async def test_the_keep_alive_timeout_follows_each_response_with_one_timer():
+    proto, t = connect(sized_app(), header_s=60, keep_alive_s=0.2)  # only keep-alive may close this connection
+    await ten_requests_on_one_timer(proto, t, proto._keep_alive)
+    await asyncio.sleep(0.1)
+    proto.data_received(REQUEST[:10])  # bytes of a next request: not idle, even past the timeout
+    await asyncio.sleep(0.25)
+    assert not t.closed
+    proto.data_received(REQUEST[10:])
+    await settle()
+    assert len(t.writes) == 11
+    await asyncio.sleep(0.3)  # idle after that response: closed
+    assert t.closed
+    proto.connection_lost(None)
+    assert proto._keep_alive.timer is None
+
+
+async def test_the_disconnect_watch_names_the_requests_task():
+    seen = []
+
+    async def app(scope, receive, send):
+        await receive()
+        seen.append(scope["extensions"][DISCONNECT].task is asyncio.current_task())
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"0")]})
+        await send({"type": "http.response.body", "body": b""})
+
+    proto, t = connect(app)
+    proto.data_received(REQUEST + REQUEST)  # pipelined: the second starts when the first completes
+    await settle()
+    await settle()
+    assert seen == [True, True] and len(t.writes) == 2
+
+
+async def test_a_body_longer_than_its_content_length_is_an_error_after_the_head():
+    proto, t = connect(sized_app(b"toolong", length=2))
+    proto.data_received(REQUEST)
+    await settle()
+    # as uvicorn: the head went out, the body did not, and the connection is closed
+    assert t.writes and t.writes[0].startswith(b"HTTP/1.1 200 OK\r\n") and b"toolong" not in b"".join(t.writes)
+    assert t.closed

@@ -111,6 +111,38 @@ async def test_read_timeout_between_body_chunks():
     server.close()
 
 
+async def test_timeouts_count_from_each_wait_on_a_kept_alive_connection():
+    """One timer per connection, its deadline moved by every wait: gaps under the read timeout never fail
+    however long the whole body takes, and the next request's header timeout still fires on time."""
+    connections = []
+
+    async def handler(r, w):
+        connections.append(1)
+        await _read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for _ in range(4):
+            await asyncio.sleep(0.15)
+            w.write(b"1\r\nx\r\n")
+            await w.drain()
+        w.write(b"0\r\n\r\n")
+        await w.drain()
+        await _read_request(r)  # the second request, on the same connection: never answered
+        await asyncio.sleep(5)
+
+    server, url = await _server(handler)
+    pool = UpstreamPool(url, read_timeout=0.3, header_timeout=0.5)
+    resp = await pool.request(b"POST", b"/", b"")
+    assert await resp.read() == b"xxxx"  # 0.6 s in all, 0.15 s per gap
+    resp.close()
+    t0 = asyncio.get_running_loop().time()
+    with pytest.raises(UpstreamTimeout):
+        await asyncio.wait_for(pool.request(b"POST", b"/", b""), 3)
+    assert 0.45 <= asyncio.get_running_loop().time() - t0 < 1.5
+    assert len(connections) == 1
+    pool.close()
+    server.close()
+
+
 async def test_server_dies_mid_body_raises_closed():
     async def handler(r, w):
         await _read_request(r)

@@ -13,13 +13,18 @@ connections stayed open for ever. This subclass, handed to uvicorn as its ``http
 - framing errors (bad Content-Length, Content-Length with Transfer-Encoding, control characters
   in a header, ...) answered as OpenAI-style JSON 400 instead of uvicorn's plain text.
 
-Two things make its common case cheaper than uvicorn's (docs/benchmarks.md section 11):
+What makes its common case cheaper than uvicorn's (docs/benchmarks.md section 11):
 
 - a response with a Content-Length sends its head with its body, in one write (one syscall, one
   TCP segment): uvicorn writes the head as soon as ``http.response.start`` comes. Streams (no
   Content-Length) still get their head at once;
 - a lost connection is reported to the running request through the ``usefulwork.disconnect`` scope
-  extension (``pipeline.DisconnectWatch``), so the endpoint needs no task waiting on ``receive()``.
+  extension (``pipeline.DisconnectWatch``, which also names the request's task), so the endpoint
+  needs no task waiting on ``receive()`` and no ``current_task()`` lookup;
+- the keep-alive timeout is one timer per connection whose deadline each response moves (uvicorn
+  schedules a timer per response and cancels it at the next request's first bytes), as the head
+  deadline is;
+- the cycle's message event is a ``_Signal`` (no ``asyncio.Event`` per request).
 
 Every refusal is answered, then the connection is half-closed and the client's remaining bytes are
 discarded until it closes (at most 2 s / 1 MB: no RST can discard the answer), and it is counted in ``usefulwork_http_rejected_total{reason}``
@@ -28,13 +33,19 @@ discarded until it closes (at most 2 s / 1 MB: no RST can discard the answer), a
 
 from __future__ import annotations
 
+import urllib.parse
+
 import httptools
 import prometheus_client
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+from uvicorn.protocols.http.flow_control import service_unavailable
+from uvicorn.protocols.http.httptools_impl import (HEADER_RE, HEADER_VALUE_RE, STATUS_LINE, HttpToolsProtocol,
+                                                   RequestResponseCycle)
+from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 
 from usefulwork.config import Config
 from usefulwork.gateway.errors import error_body
 from usefulwork.gateway.pipeline import DISCONNECT, DisconnectWatch
+from usefulwork.timers import MovingDeadline
 
 REJECTED = prometheus_client.Counter(
     "usefulwork_http_rejected", "Client connections refused at the HTTP layer, by reason.", ["reason"])
@@ -60,86 +71,137 @@ LINGER_S = 2.0  # after a refusal, how long the client's remaining bytes are rea
 LINGER_BYTES = 1 << 20  # ... and how many
 
 
-class _Keep:
-    """Stands in for the transport while uvicorn writes a response head that is to be held."""
+class _Signal:
+    """What the cycle needs of an ``asyncio.Event`` (``set``, ``clear``, ``is_set``, ``wait``), made per
+    request without the Event's loop binding and deque: a future exists only while a request waits for
+    body bytes that have not arrived (a small body is complete before the request's task first runs)."""
 
-    __slots__ = ("data",)
+    __slots__ = ("_loop", "_set", "_waiters")
 
-    def __init__(self) -> None:
-        self.data: bytes | None = None
+    def __init__(self, loop) -> None:
+        self._loop = loop
+        self._set = False
+        self._waiters: list | None = None
 
-    def write(self, data: bytes) -> None:
-        self.data = data
+    def is_set(self) -> bool:
+        return self._set
 
+    def set(self) -> None:
+        if not self._set:
+            self._set = True
+            if self._waiters:
+                for fut in self._waiters:
+                    if not fut.done():
+                        fut.set_result(True)
 
-class _HeadFirst:
-    """Stands in for the transport while the body after a held head is sent: the head goes out with
-    the first bytes written (or alone, before a close or at the end: ``flush``)."""
+    def clear(self) -> None:
+        self._set = False
 
-    __slots__ = ("transport", "head")
-
-    def __init__(self, transport, head: bytes):
-        self.transport = transport
-        self.head: bytes | None = head
-
-    def write(self, data: bytes) -> None:
-        head = self.head
-        if head is not None:
-            self.head = None
-            data = head + data
-        self.transport.write(data)
-
-    def flush(self) -> None:
-        if self.head is not None:
-            head, self.head = self.head, None
-            if not self.transport.is_closing():
-                self.transport.write(head)
-
-    def close(self) -> None:
-        self.flush()
-        self.transport.close()
-
-    def is_closing(self) -> bool:
-        return self.transport.is_closing()
-
-
-def _sized(message: dict) -> bool:
-    return any(name.lower() == b"content-length" for name, _ in message.get("headers", ()))
+    async def wait(self) -> bool:
+        if self._set:
+            return True
+        fut = self._loop.create_future()
+        if self._waiters is None:
+            self._waiters = []
+        self._waiters.append(fut)
+        try:
+            await fut
+            return True
+        finally:
+            self._waiters.remove(fut)
 
 
 class GatewayCycle(RequestResponseCycle):
     """uvicorn's request/response cycle; a response with a Content-Length writes its head with its body.
 
-    The head uvicorn builds for ``http.response.start`` (validated as uvicorn does) is kept, and the
-    next ``send`` writes it in front of the body's bytes. Nothing else changes: a client can use a
-    Content-Length response only once its body arrived anyway.
+    ``send`` builds and validates the head as uvicorn's does (same checks, same errors); a sized
+    response's head is kept and written in front of the body's bytes, in one ``write``. A client can use
+    a Content-Length response only once its body arrived anyway. Streams (no Content-Length) get their
+    head at once, and their body messages go to uvicorn's ``send``.
     """
 
     _head: bytes | None = None
 
     async def send(self, message) -> None:
-        head = self._head
-        if head is not None:
+        if self.response_started:
+            head = self._head
+            if head is None:
+                await super().send(message)
+                return
+            if self.flow.write_paused and not self.disconnected:
+                await self.flow.drain()  # pragma: no cover - a held head: nothing was written yet
+            if self.disconnected:
+                return
             self._head = None
-            transport = self.transport
-            self.transport = first = _HeadFirst(transport, head)
-            try:
-                await super().send(message)
-            finally:
-                self.transport = transport
-                if not self.disconnected:
-                    first.flush()  # no body bytes were written (HEAD, an empty body, an error)
+            if message["type"] != "http.response.body":
+                self.transport.write(head)
+                raise RuntimeError(f"Expected ASGI message 'http.response.body', but got '{message['type']}'.")
+            body = message.get("body", b"")
+            more_body = message.get("more_body", False)
+            if self.scope["method"] == "HEAD":
+                self.expected_content_length = 0
+                self.transport.write(head)
+            else:
+                n = len(body)
+                if n > self.expected_content_length:
+                    self.transport.write(head)
+                    raise RuntimeError("Response content longer than Content-Length")
+                self.expected_content_length -= n
+                self.transport.write(head + body if body else head)
+            if not more_body:
+                if self.expected_content_length != 0:
+                    raise RuntimeError("Response content shorter than Content-Length")
+                self.response_complete = True
+                self.message_event.set()
+                if not self.keep_alive:
+                    self.transport.close()
+                self.on_response()
             return
-        if message["type"] == "http.response.start" and not self.response_started and _sized(message):
-            transport = self.transport
-            self.transport = keep = _Keep()
-            try:
-                await super().send(message)
-            finally:
-                self.transport = transport
-            self._head = keep.data
+        if self.flow.write_paused and not self.disconnected:
+            await self.flow.drain()  # pragma: no cover
+        if self.disconnected:
             return
-        await super().send(message)
+        # http.response.start: uvicorn's head, built the same way
+        if message["type"] != "http.response.start":
+            raise RuntimeError(f"Expected ASGI message 'http.response.start', but got '{message['type']}'.")
+        self.response_started = True
+        self.waiting_for_100_continue = False
+        status_code = message["status"]
+        if self.access_log:
+            self.access_logger.info('%s - "%s %s HTTP/%s" %d', get_client_addr(self.scope), self.scope["method"],
+                                    get_path_with_query_string(self.scope), self.scope["http_version"], status_code)
+        content = [STATUS_LINE[status_code]]
+        has_connection_close = False
+        for headers in (self.default_headers, message.get("headers", ())):
+            for name, value in headers:
+                if HEADER_RE.search(name):
+                    raise RuntimeError("Invalid HTTP header name.")
+                if HEADER_VALUE_RE.search(value):
+                    raise RuntimeError("Invalid HTTP header value.")
+                name = name.lower()
+                if name == b"content-length" and self.chunked_encoding is None:
+                    self.expected_content_length = int(value.decode())
+                    self.chunked_encoding = False
+                elif name == b"transfer-encoding" and value.lower() == b"chunked":
+                    self.expected_content_length = 0
+                    self.chunked_encoding = True
+                elif name == b"connection":
+                    connection = [token.lower().strip() for token in value.split(b",")]
+                    if b"close" in connection:
+                        self.keep_alive = False
+                        has_connection_close = True
+                content.extend((name, b": ", value, b"\r\n"))
+        if not self.keep_alive and not has_connection_close:
+            content.append(b"connection: close\r\n")
+        sized = self.chunked_encoding is False
+        if self.chunked_encoding is None and self.scope["method"] != "HEAD" and status_code not in (204, 304):
+            self.chunked_encoding = True  # neither content-length nor transfer-encoding
+            content.append(b"transfer-encoding: chunked\r\n")
+        content.append(b"\r\n")
+        if sized:
+            self._head = b"".join(content)
+        else:
+            self.transport.write(b"".join(content))
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -155,39 +217,25 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._head_bytes = 0  # bytes received for the current head
         self._url_bytes = 0
         self._fields_bytes = 0
-        self._head_timer = None  # scheduled while a head deadline is (or was recently) armed
-        self._head_deadline: float | None = None  # loop time by which the awaited request head must be complete
+        # the loop time by which the awaited request head must be complete
+        self._head_deadline = MovingDeadline(self.loop, self._head_timeout)
         self._lingering: int | None = None  # refused: bytes still to discard before closing (see _linger)
         self._linger_timer = None
         self._running: RequestResponseCycle | None = None  # the request whose app task runs now
+        # uvicorn's keep-alive timeout, kept the way the head deadline is (uvicorn schedules and cancels a
+        # timer per response)
+        self._keep_alive = MovingDeadline(self.loop, self.timeout_keep_alive_handler)
 
     # -- waiting for a head --
     # A kept-alive connection arms the head deadline after every response and disarms it at the next
-    # head: that only moves ``_head_deadline``. One timer stays scheduled; when it fires early (the
-    # deadline moved on since) it is set again for the new deadline, when disarmed it does nothing.
+    # head: that only moves the deadline of one timer (``MovingDeadline``).
     def _arm(self) -> None:
-        self._head_deadline = self.loop.time() + self.header_timeout_s
-        if self._head_timer is None:
-            self._head_timer = self.loop.call_at(self._head_deadline, self._head_timeout)
+        self._head_deadline.arm(self.header_timeout_s)
 
     def _disarm(self) -> None:
-        self._head_deadline = None
-
-    def _cancel_timer(self) -> None:
-        self._head_deadline = None
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
+        self._head_deadline.disarm()
 
     def _head_timeout(self) -> None:
-        self._head_timer = None
-        deadline = self._head_deadline
-        if deadline is None:
-            return
-        if self.loop.time() < deadline:  # armed again since this timer was set
-            self._head_timer = self.loop.call_at(deadline, self._head_timeout)
-            return
-        self._head_deadline = None
         if self.transport.is_closing() or (self.cycle is not None and not self.cycle.response_complete):
             return
         if self._head_bytes:
@@ -195,6 +243,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         else:  # nothing asked, nothing to answer
             REJECTED.labels("idle_no_request").inc()
             self.transport.close()
+
+    # -- keep-alive: idle after a response --
+    def _unset_keepalive_if_required(self) -> None:  # uvicorn's hook: bytes came, or the connection ended
+        self._keep_alive.disarm()
 
     def _refuse(self, status: int, message: str) -> None:
         reason, code, text = _REASONS[status]
@@ -225,7 +277,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._cancel_timer()
+        self._head_deadline.cancel()
+        self._keep_alive.cancel()
         if self._linger_timer is not None:
             self._linger_timer.cancel()
         super().connection_lost(exc)
@@ -273,9 +326,16 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._refuse(400, msg)
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app) -> None:
-        cycle.__class__ = GatewayCycle  # made by uvicorn's on_headers_complete; its task has not run yet
         self._running = cycle
-        super()._start_asgi_task(cycle, app)
+        if self.config.reset_contextvars:  # uvicorn's opt-in: a fresh context per task (the watch names no task)
+            super()._start_asgi_task(cycle, app)
+            return
+        task = self.loop.create_task(cycle.run_asgi(app))
+        task.add_done_callback(self.tasks.discard)
+        self.tasks.add(task)
+        watch = cycle.scope["extensions"].get(DISCONNECT)
+        if watch is not None:
+            watch.task = task
 
     # -- parser callbacks --
     def on_message_begin(self) -> None:
@@ -299,16 +359,57 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             status = 414 if self._url_bytes > self.max_header_bytes else 431
             raise _Refuse(status, f"the request {'URL' if status == 414 else 'line and headers'} exceed "
                                   f"{self.max_header_bytes} bytes")
-        super().on_headers_complete()
+        # uvicorn's on_headers_complete, making a GatewayCycle with a _Signal for its message event
+        parser = self.parser
+        http_version = parser.get_http_version()
+        scope = self.scope
+        scope["method"] = parser.get_method().decode("ascii")
+        if http_version != "1.1":
+            scope["http_version"] = http_version
+        if parser.should_upgrade() and self._should_upgrade():
+            return
+        parsed_url = httptools.parse_url(self.url)
+        raw_path = parsed_url.path
+        path = raw_path.decode("ascii")
+        if "%" in path:
+            path = urllib.parse.unquote(path)
+        scope["path"] = self.root_path + path
+        scope["raw_path"] = self.root_path.encode("ascii") + raw_path
+        scope["query_string"] = parsed_url.query or b""
+        if self.limit_concurrency is not None and (
+                len(self.connections) >= self.limit_concurrency or len(self.tasks) >= self.limit_concurrency):
+            app = service_unavailable
+            self.logger.warning("Exceeded concurrency limit.")
+        else:
+            app = self.app
+        existing_cycle = self.cycle
+        self.cycle = GatewayCycle(
+            scope=scope, transport=self.transport, flow=self.flow, logger=self.logger,
+            access_logger=self.access_logger, access_log=self.access_log,
+            default_headers=self.server_state.default_headers, message_event=_Signal(self.loop),
+            expect_100_continue=self.expect_100_continue,
+            keep_alive=http_version != "1.0" and parser.should_keep_alive(), on_response=self.on_response_complete)
+        if existing_cycle is None or existing_cycle.response_complete:
+            self._start_asgi_task(self.cycle, app)
+        else:  # pipelined: queued until the running response completes
+            self.flow.pause_reading()
+            self.pipeline.appendleft((self.cycle, app))
 
     def on_message_complete(self) -> None:
         self._in_head = True  # what follows is the next request's head
         super().on_message_complete()
 
-    def on_response_complete(self) -> None:
-        queued = bool(self.pipeline)
-        super().on_response_complete()
-        if not queued and not self.transport.is_closing():
+    def on_response_complete(self) -> None:  # uvicorn's, with the keep-alive timer kept per connection
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self._keep_alive.disarm()
+        self.flow.resume_reading()
+        if self.pipeline:  # start the next pipelined request
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+        else:
+            self._keep_alive.arm(self.timeout_keep_alive)
             self._arm()  # the next request's head must arrive in time too
 
 

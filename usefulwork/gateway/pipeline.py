@@ -43,14 +43,17 @@ class DisconnectWatch:
 
     The protocol calls ``fire()`` when the connection is lost before the request's response completed;
     ``gone`` stays set, and ``callback`` (set by the endpoint while it serves) runs once. Under another
-    ASGI server the extension is absent and the endpoint watches ``receive()`` instead.
+    ASGI server the extension is absent and the endpoint watches ``receive()`` instead. ``task`` is the
+    task the protocol started to run the request's ASGI app (the one a disconnect cancels), when it
+    knows it: the endpoint then needs no ``asyncio.current_task()`` lookup.
     """
 
-    __slots__ = ("callback", "gone")
+    __slots__ = ("callback", "gone", "task")
 
     def __init__(self) -> None:
         self.callback: Callable[[], None] | None = None
         self.gone = False
+        self.task: asyncio.Task | None = None
 
     def fire(self) -> None:
         if self.gone:

@@ -338,14 +338,15 @@ async def run_until_disconnect(coro: Coroutine[Any, Any, None], receive, ctx: Re
     request watches ``receive()``: the body has been read already, so the next ASGI message can only
     be the disconnect.
     """
-    me = asyncio.current_task()
+    watch = (scope.get("extensions") or {}).get(DISCONNECT) if scope is not None else None
+    # the protocol names the task it runs this request in (no current_task() lookup per request)
+    me = watch.task if watch is not None and watch.task is not None else asyncio.current_task()
 
     def gone() -> None:
         if not ctx.closing:
             ex.gone = True
             me.cancel()
 
-    watch = (scope.get("extensions") or {}).get(DISCONNECT) if scope is not None else None
     if watch is not None:
         if watch.gone:  # left before the handler started: nothing to cancel
             coro.close()

@@ -34,6 +34,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from usefulwork.timers import MovingDeadline
+
 
 IDEMPOTENT = frozenset({b"GET", b"HEAD", b"OPTIONS", b"PUT", b"DELETE"})  # RFC 9110 9.2.2
 
@@ -108,18 +110,15 @@ class Response:
             self._wake()
 
     async def _wait(self) -> None:
-        loop = self._conn.loop
-        self._waiter = fut = loop.create_future()
-        timer = loop.call_later(self._timeout, self._on_timeout, fut)
+        conn = self._conn
+        self._waiter = fut = conn.loop.create_future()
+        conn.watch(fut, self._timeout)
         try:
             await fut
         finally:
-            timer.cancel()
+            conn.waiting = None
+            conn.deadline.disarm()
             self._waiter = None
-
-    def _on_timeout(self, fut: asyncio.Future) -> None:
-        if not fut.done():
-            fut.set_exception(UpstreamTimeout(f"no data from upstream for {self._timeout:.0f}s"))
 
     # -- used by the proxy --
     async def wait_headers(self) -> None:
@@ -178,7 +177,8 @@ class Response:
 
 
 class _Conn(asyncio.Protocol):
-    __slots__ = ("pool", "loop", "transport", "parser", "closed", "resp", "_paused", "_interim", "idle_since")
+    __slots__ = ("pool", "loop", "transport", "parser", "closed", "resp", "_paused", "_interim", "idle_since",
+                 "waiting", "deadline", "_timeout")
 
     def __init__(self, pool: "UpstreamPool", loop: asyncio.AbstractEventLoop):
         self.pool = pool
@@ -190,6 +190,23 @@ class _Conn(asyncio.Protocol):
         self._paused = False
         self._interim = False  # parsing a 1xx interim response (skipped)
         self.idle_since = 0.0
+        # The read timeout: one timer per connection whose deadline each wait moves (a timer scheduled
+        # and cancelled per wait cost ~1.6% of the gateway's CPU per unary request). ``waiting``: the
+        # response's future while a wait is on, else None.
+        self.waiting: asyncio.Future | None = None
+        self._timeout = 0.0
+        self.deadline = MovingDeadline(loop, self._expired)
+
+    def watch(self, fut: asyncio.Future, timeout: float) -> None:
+        """Fail ``fut`` with UpstreamTimeout unless it is done (or the wait ends) within ``timeout``."""
+        self.waiting = fut
+        self._timeout = timeout
+        self.deadline.arm(timeout)
+
+    def _expired(self) -> None:
+        fut = self.waiting
+        if fut is not None and not fut.done():
+            fut.set_exception(UpstreamTimeout(f"no data from upstream for {self._timeout:.0f}s"))
 
     # asyncio.Protocol
     def connection_made(self, transport) -> None:
@@ -209,6 +226,7 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self.closed = True
+        self.deadline.cancel()
         resp = self.resp
         if resp is not None:
             if resp.until_close and exc is None and not self._interim:
