@@ -11,6 +11,8 @@ Two stores, one interface (``check`` / ``settle``):
 - ``RedisLimits``: shared by every gateway process, each check one atomic Lua script (read the
   buckets and the spend, take only if everything passes), with Redis's own clock so processes on
   different hosts agree. redis-py's ``Script`` (EVALSHA, re-loading the script after a restart).
+  ``LeasedLimits`` (lease.py, the default with Redis) takes grants from the same buckets in batches
+  and admits from them in the process, so most checks do not wait on Redis.
 
 ``FailoverLimits`` uses Redis while it answers. When it does not, it logs once and either keeps
 serving with per-process limits (``on_redis_down: open``) or refuses with 503 (``closed``), tries
