@@ -228,10 +228,21 @@ def test_slot_is_released_however_the_request_ends(how):
     asyncio.run(go())
 
 
-def test_rpm_then_budget_enforced_with_429_and_clear_message():
+@pytest.mark.parametrize("store", ["process", "redis", "redis-leased"])
+def test_rpm_then_budget_enforced_with_429_and_clear_message(store, request):
+    """The same verdicts, reasons and Retry-After with per-process limits, one Redis script per check
+    and leased grants (admission.lease, the default with redis_url)."""
     tenants = {"acme": {"key_hashes": [hash_key("k1")], "rpm": 3},
                "spendy": {"key_hashes": [hash_key("k2")], "budget_usd_per_day": 0.2}}
-    f = make_filter(make_cfg(tenants=tenants))
+    adm = {}
+    if store != "process":
+        import uuid
+
+        adm = {"redis_url": request.getfixturevalue("redis_url"), "redis_prefix": f"uwtest:{uuid.uuid4().hex}",
+               "lease": store == "redis-leased"}
+    f = make_filter(make_cfg(admission=adm, tenants=tenants))
+    assert type(getattr(f.limits, "shared", f.limits)).__name__ == \
+        {"process": "LocalLimits", "redis": "RedisLimits", "redis-leased": "LeasedLimits"}[store]
 
     async def go():
         out = []
@@ -244,6 +255,14 @@ def test_rpm_then_budget_enforced_with_429_and_clear_message():
             r = await f(make_call(f, tenant="spendy"), Backend())
             await r.aclose()
             spend.append(r)
+        if adm:
+            await f.stop()  # (grants given back)
+            import redis
+
+            r = redis.Redis.from_url(adm["redis_url"])
+            keys = r.keys(adm["redis_prefix"] + "*")
+            if keys:
+                r.delete(*keys)
         return out, spend
 
     out, spend = asyncio.run(go())
