@@ -130,6 +130,34 @@ async def test_without_sinks_or_spans_no_record_is_built_and_the_books_still_set
     await acc.stop()
 
 
+async def test_record_less_work_on_standing_shares_settles_as_per_request_shares_do():
+    """Without a reader of records, a tenant's requests share one standing share per pool: the intervals hold
+    one entry per tenant, and every tenant's GPU $ (and the idle $) equal those of a ledger that books a share
+    per request (one with a sink): attributed + idle == bill either way."""
+    results = []
+    for sinks in ([MemorySink()], []):
+        acc, _, clock = make_accountant(sinks=sinks)
+        await acc.start()
+        for i in range(60):  # three tenants, two pools, overlapping requests over ~12 s
+            acc.finish(ctx_at(T0 + 0.2 * i, dur=0.5 + (i % 7) * 0.3, tenant="abc"[i % 3],
+                              pool="small" if i % 4 else "large", prompt=50 + i, completion=10 + i % 5))
+        if not sinks:
+            await asyncio.sleep(0.1)
+            assert max(len(iv.shares) for m in acc.meters.values() for iv in m._open.values()) <= 3
+        clock.t = T0 + 30
+        await asyncio.sleep(0.3)
+        snap = acc.snapshot()
+        cons = snap["conservation"]
+        assert cons["attributed_usd"] + cons["idle_usd"] == pytest.approx(cons["cost_usd"], abs=1e-12)
+        results.append(({t: snap["tenants"][t]["windows"]["all"]["gpu"]["attributed_usd"] for t in "abc"},
+                        cons["idle_usd"], snap["fleet"]["all"]["requests"]))
+        await acc.stop()
+    (per_request, idle1, n1), (standing, idle2, n2) = results
+    assert n1 == n2 == 60 and idle1 == pytest.approx(idle2, abs=1e-12)
+    assert min(per_request.values()) > 0
+    assert standing == pytest.approx(per_request, rel=1e-9)
+
+
 async def test_idle_fleet_settles_at_once_busy_fleet_holds_back():
     acc, sink, clock = make_accountant()
     await acc.start()

@@ -157,6 +157,7 @@ class Ledger:
         self._inflight: dict[int, RequestContext] = {}  # id(ctx): client-given request ids may repeat
         self._tracks_starts = False
         self._held: dict[int, tuple[Share, dict]] = {}
+        self._standing: dict[tuple[str, str], Share] = {}  # (pool, tenant) -> where record-less work is booked
         self._backlog: dict[str, list[bytes]] = {s.name: [] for s in sinks}
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -336,10 +337,19 @@ class Ledger:
                 rec["gpu_cost_usd"] = 0.0
                 ready.append(rec)
             return
+        if rec is None:
+            # No record waits for this request's GPU $ (no sink, no exported span): its work is booked on its
+            # tenant's standing share in the pool. An interval is split by work, so each tenant gets the same $
+            # as from a share per request, but an interval holds one entry per tenant instead of one per
+            # request (settling those was ~2.5% of the gateway's CPU at c=16; docs/benchmarks.md section 11).
+            key = (ctx.pool, ctx.tenant)
+            share = self._standing.get(key)
+            if share is None:
+                share = self._standing[key] = Share(key=key, tenant=ctx.tenant)
+            meter.book(share, request_spans(ctx, prefill, decode))
+            return
         share = Share(key=ctx.id, tenant=ctx.tenant)
         meter.book(share, request_spans(ctx, prefill, decode))
-        if rec is None:
-            return  # no record waits for its GPU $: the meter settles the share into the live windows alone
         if share.pending == 0:  # meter closed (shutdown): nothing more can be attributed
             rec["gpu_cost_usd"] = share.usd
             ready.append(rec)
