@@ -164,26 +164,28 @@ async def test_the_head_deadline_follows_each_response_with_one_timer():
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"0")]})
         await send({"type": "http.response.body", "body": b""})
 
-    proto, t = connect(app, header_s=0.2, keep_alive_s=60)  # only the head deadline may close this connection
+    # only the head deadline may close this connection; 0.5 s: a loop stall under 0.45 s cannot close it
+    proto, t = connect(app, header_s=0.5, keep_alive_s=60)
     await ten_requests_on_one_timer(proto, t, proto._head_deadline)
     proto.data_received(REQUEST[:10])  # part of a head, then nothing
-    await asyncio.sleep(0.35)
+    await asyncio.sleep(0.7)  # (the deadline's timer is due before this sleep ends)
     assert b" 408 " in t.writes[-1].split(b"\r\n")[0]  # answered (then half-closed: lingering)
     proto.connection_lost(None)
     assert proto._head_deadline.timer is None
 
 
 async def test_the_keep_alive_timeout_follows_each_response_with_one_timer():
-    proto, t = connect(sized_app(), header_s=60, keep_alive_s=0.2)  # only keep-alive may close this connection
+    # only keep-alive may close this connection; 0.5 s: a loop stall under 0.45 s cannot close it early
+    proto, t = connect(sized_app(), header_s=60, keep_alive_s=0.5)
     await ten_requests_on_one_timer(proto, t, proto._keep_alive)
     await asyncio.sleep(0.1)
     proto.data_received(REQUEST[:10])  # bytes of a next request: not idle, even past the timeout
-    await asyncio.sleep(0.25)
+    await asyncio.sleep(0.6)
     assert not t.closed
     proto.data_received(REQUEST[10:])
     await settle()
     assert len(t.writes) == 11
-    await asyncio.sleep(0.3)  # idle after that response: closed
+    await asyncio.sleep(0.7)  # idle after that response: closed (its timer is due before this sleep ends)
     assert t.closed
     proto.connection_lost(None)
     assert proto._keep_alive.timer is None
