@@ -26,6 +26,10 @@ What makes its common case cheaper than uvicorn's (docs/benchmarks.md section 11
   deadline is;
 - the cycle's message event is a ``_Signal`` (no ``asyncio.Event`` per request).
 
+These replace uvicorn methods with copies of uvicorn 0.54's (``on_headers_complete``,
+``on_response_complete``, ``_start_asgi_task``, the head built in ``GatewayCycle.send``), which is why
+pyproject.toml bounds uvicorn to 0.54.x: a newer uvicorn's fixes in those methods would not reach them.
+
 Every refusal is answered, then the connection is half-closed and the client's remaining bytes are
 discarded until it closes (at most 2 s / 1 MB: no RST can discard the answer), and it is counted in ``usefulwork_http_rejected_total{reason}``
 (``/metrics``). Body size is the endpoints' job (``limits.max_body_bytes``, 413).
