@@ -84,9 +84,11 @@ def test_promql_cost_per_1k_successful_matches_stats(vllm_server, prometheus_bin
             ok = gw.stats()["fleet"]["all"]["ok"]
             assert ok == 5
 
-            # wait until Prometheus has scraped the final counts
+            # wait until Prometheus has scraped the final counts: all six requests, not only the five ok ones
+            # (a scrape between the fifth answer and the 404's record already shows ok == 5)
             deadline = time.monotonic() + 30
-            while _scalar(prom, 'sum(usefulwork_requests_total{outcome="ok"})') != ok:
+            while (_scalar(prom, 'sum(usefulwork_requests_total{outcome="ok"})'),
+                   _scalar(prom, "sum(usefulwork_requests_total)")) != (ok, 6):
                 assert time.monotonic() < deadline, _query(prom, "usefulwork_requests_total")
                 time.sleep(0.5)
 
