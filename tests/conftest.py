@@ -8,6 +8,7 @@ that need it: it is never skipped into a pass.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -153,3 +154,32 @@ def redis_url() -> str:
 @pytest.fixture
 def repo_root() -> Path:
     return Path(__file__).resolve().parent.parent
+
+
+# -- garbage-collector pauses ------------------------------------------------------------------------------
+# A test that times something in this process (a load generator's send schedule, a deadline) fails when the
+# collector stops the process for long; the summary names every pause over 100 ms and the test it fell in.
+_GC_PAUSE_S = 0.1
+_gc_pauses: list[tuple[float, int, int, str]] = []
+_gc_started = [0.0]
+
+
+def _gc_watch(phase: str, info: dict) -> None:
+    if phase == "start":
+        _gc_started[0] = time.perf_counter()
+        return
+    took = time.perf_counter() - _gc_started[0]
+    if took > _GC_PAUSE_S:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
+        _gc_pauses.append((took, info.get("generation", -1), info.get("collected", 0), test))
+
+
+gc.callbacks.append(_gc_watch)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not _gc_pauses:
+        return
+    terminalreporter.section(f"garbage-collector pauses over {_GC_PAUSE_S * 1000:.0f} ms")
+    for took, gen, collected, test in _gc_pauses:
+        terminalreporter.write_line(f"{took * 1000:8.0f} ms  generation {gen}  collected {collected:>8}  {test}")
