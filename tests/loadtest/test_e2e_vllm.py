@@ -15,13 +15,19 @@ def test_open_loop_poisson_measures_every_request(vllm_server):
     load = LoadSpec(arrival=arrivals.Poisson(4.0), num_requests=6, timeout_s=60, seed=1)
     out = run_sync(Target(vllm_server.base_url, vllm_server.model), wl, load)
     assert [r.outcome for r in out.results] == ["ok"] * 6, [r.error for r in out.results]
+    g = out.generator
+    assert g["ticks"] > 0 and g["runqueue_ms"] is not None, g
+    # The runner sends on time whenever its loop can run: what it is late by beyond the time the kernel kept
+    # the loop's thread waiting for a CPU (this test shares two cores with vLLM) is its own fault.
+    starved_s = g["runqueue_ms"] / 1000.0
+    sends = [(round(r.planned, 3), round(r.sent, 3)) for r in out.results]
     for r in out.results:
         assert r.prompt_tokens == 64  # one word per token: the planned length is the real length
         assert r.output_tokens == 16 and r.usage_seen
         assert 0 < r.ttft < r.e2el
         assert len(r.itl) == r.chunks - 1 and r.chunks >= 2
         assert r.tpot == pytest.approx((r.e2el - r.ttft) / 15)
-        assert r.schedule_lag < 0.5
+        assert r.schedule_lag < 0.5 + starved_s, (sends, g)
     planned = [r.planned for r in out.results]
     assert planned == sorted(planned) and planned[0] > 0
     res = run_result(out, slo=SLOSpec(), usd_per_hour=0.1)

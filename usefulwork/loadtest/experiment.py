@@ -453,7 +453,7 @@ def rescale(out: RunOutput, s: float) -> RunOutput:
                                        shed_s=r.shed_s * s, wait_s=r.wait_s * s))
     load = dict(out.load, time_scale=s)
     return RunOutput(results=res, wall_start=out.wall_start, wall_end=out.wall_end, load=load,
-                     workload=out.workload, target=out.target)
+                     workload=out.workload, target=out.target, generator=out.generator)  # the generator's loop: wall time
 
 
 # ---------------------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ from typing import Any, Callable
 import numpy as np
 
 from usefulwork.loadtest.client import RequestResult
+from usefulwork.loadtest.loopwatch import freeze_heap
 from usefulwork.loadtest.metrics import SLOSpec, is_good
 from usefulwork.loadtest.replay import ReplaySpec, ReplayWorkload
 from usefulwork.loadtest.results import run_result
@@ -89,7 +90,7 @@ async def paired_pass(workload: ReplayWorkload, a: Target, b: Target, *, timeout
             ta = asyncio.create_task(send_a.send(pa, clock0))
         tasks.append((ta, tb))
 
-    unfreeze = rs.quiet_gc()
+    unfreeze = freeze_heap()  # the prepared requests out of the collector's scans while sending
     wall0 = time.time()
     clock0 = time.perf_counter()
     try:

@@ -28,6 +28,7 @@ import numpy as np
 
 from usefulwork.loadtest.metrics import percentile
 from usefulwork.loadtest.client import RequestResult
+from usefulwork.loadtest.loopwatch import freeze_heap
 from usefulwork.loadtest.runner import Counters, LoadSpec, RunOutput, Target
 from usefulwork.loadtest.traces import TraceRow, TraceWorkload
 from usefulwork.loadtest.workloads import WorkloadError
@@ -275,7 +276,7 @@ async def replay(workload: ReplayWorkload, target: Target, *, timeout_s: float =
             await asyncio.wait(set(tasks), timeout=timeout_s + 1.0)
 
     observe = asyncio.create_task(_observe(observer, counters)) if observer else None
-    unfreeze = rs.quiet_gc()
+    unfreeze = freeze_heap()  # the prepared requests out of the collector's scans while sending
     wall0 = time.time()
     clock0 = time.perf_counter()
     counters.started = clock0

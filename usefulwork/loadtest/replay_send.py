@@ -22,7 +22,6 @@ Outcomes and fields are the loadtest client's (``usefulwork.loadtest.client``): 
 from __future__ import annotations
 
 import asyncio
-import gc
 import os
 import time
 from dataclasses import dataclass
@@ -154,10 +153,3 @@ async def fire_on_schedule(items: Iterable[Any], due: Callable[[Any], float], la
         while (delay := at - perf()) > EARLY_S:
             await asyncio.sleep(delay if delay > 0.001 else 0)
         launch(item)
-
-
-def quiet_gc() -> Callable[[], None]:
-    """Freeze what exists (the prepared requests) out of the cyclic GC's scans while sending; returns the undo."""
-    gc.collect()
-    gc.freeze()
-    return gc.unfreeze

@@ -46,6 +46,7 @@ def run_result(out: RunOutput, *, slo: SLOSpec, usd_per_hour: float, label: str 
         "load": out.load,
         "workload": out.workload,
         "target": out.target,
+        "generator": out.generator,
     })
     return result
 

@@ -23,6 +23,7 @@ import numpy as np
 from usefulwork.loadtest import client as client_mod
 from usefulwork.loadtest.arrivals import ArrivalProcess
 from usefulwork.loadtest.client import RequestResult
+from usefulwork.loadtest.loopwatch import LoopWatch, frozen_heap
 from usefulwork.loadtest.workloads import RequestSpec, Workload
 
 
@@ -111,6 +112,7 @@ class RunOutput:
     load: dict[str, Any]
     workload: dict[str, Any]
     target: dict[str, Any]
+    generator: dict[str, Any] = field(default_factory=dict)  # the generator's own loop: LoopStats.describe()
 
 
 Observer = Callable[[Counters], None]
@@ -236,8 +238,14 @@ class Runner:
         self.observer(self.counters)
 
     async def run(self) -> RunOutput:
+        with frozen_heap():
+            return await self._run()
+
+    async def _run(self) -> RunOutput:
         stop = asyncio.Event()
         obs = asyncio.create_task(self._observe(stop)) if self.observer else None
+        watch = LoopWatch()
+        watching = asyncio.create_task(watch.run(stop))
         http = client_mod.make_client()
         wall0 = time.time()
         clock0 = time.perf_counter()
@@ -255,11 +263,13 @@ class Runner:
             stop.set()
             if obs:
                 await obs
+            await watching
         self.results.sort(key=lambda r: (r.planned, r.index))
         wall_end = wall0 + max((r.end for r in self.results), default=0.0)
         return RunOutput(results=self.results, wall_start=wall0, wall_end=wall_end, load=self.load.describe(),
                          workload=self.workload.describe(),
-                         target={"base_url": self.target.base_url, "model": self.target.model})
+                         target={"base_url": self.target.base_url, "model": self.target.model},
+                         generator=watch.stats.describe())
 
 
 def run_sync(target: Target, workload: Workload, load: LoadSpec, observer: Observer | None = None) -> RunOutput:

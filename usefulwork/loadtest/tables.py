@@ -42,6 +42,11 @@ def print_run(r: dict[str, Any], console: Console) -> None:
         ("schedule lag mean / p99 / max", f"{r['mean_schedule_lag_ms']:.1f} / {r['p99_schedule_lag_ms']:.1f} / "
                                           f"{r['max_schedule_lag_ms']:.1f} ms"),
     ]
+    g = r.get("generator") or {}
+    if g.get("max_stall_ms") is not None:
+        where = "" if g.get("max_stall_on_cpu_ms") is None else \
+            f" ({g['max_stall_on_cpu_ms']:.0f} on a CPU, {g['max_stall_runqueue_ms']:.0f} waiting for one)"
+        rows.append(("generator loop: longest stall", f"{g['max_stall_ms']:.1f} ms{where}"))
     for k, v in rows:
         t.add_row(k, v)
     console.print(t)
