@@ -22,7 +22,8 @@ a cache without its semantic stage). ``--unique`` makes every request's prompt d
 in the message, same length), so a cache measures its miss path rather than serving hits.
 
 Besides latency, it reports the gateway's CPU time per request (utime + stime of the gateway process
-over the run, from /proc, divided by requests): robust to other load on the machine, where
+over the run, from /proc, divided by every request it served then, the warm-up's included): robust to
+other load on the machine, where
 throughput is not. ``--accounting off`` swaps the accountant for a no-op to measure the proxy alone.
 """
 
@@ -127,8 +128,9 @@ async def load(port: int, stream: bool, concurrency: int, duration: float, uniqu
     # warm-up (connections, caches), not measured
     warm_done = [loop.create_future() for _ in range(concurrency)]
     wend = time.perf_counter() + 1.0
+    warm: list[float] = []
     for f in warm_done:
-        await loop.create_connection(lambda f=f: Conn(req, stream, wend, [], [], f, unique), "127.0.0.1", port)
+        await loop.create_connection(lambda f=f: Conn(req, stream, wend, warm, [], f, unique), "127.0.0.1", port)
     await asyncio.gather(*warm_done)
     futures = [loop.create_future() for _ in range(concurrency)]
     t_start = time.perf_counter()
@@ -138,7 +140,7 @@ async def load(port: int, stream: bool, concurrency: int, duration: float, uniqu
     await asyncio.gather(*futures)
     elapsed = time.perf_counter() - t_start
     a = np.array(lat) * 1000.0
-    return {"requests": len(lat), "errors": len(bad), "rps": len(lat) / elapsed,
+    return {"requests": len(lat), "warmup_requests": len(warm), "errors": len(bad), "rps": len(lat) / elapsed,
             "p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99)),
             "sample_error": bad[0].decode("latin-1") if bad else None}
 
@@ -280,13 +282,16 @@ def main() -> int:
             for c in conc:
                 direct = run_load_process(mock_port, stream, c, args.duration, args.client_core, args.unique)
                 for name, (gw, port) in gateways.items():
-                    cpu0, counts0 = cpu_seconds(gw.pid), filter_counts(port)
+                    # the CPU window holds the warm-up's requests and the measured ones, and neither stats read
+                    counts0 = filter_counts(port)
+                    cpu0 = cpu_seconds(gw.pid)
                     via = run_load_process(port, stream, c, args.duration, args.client_core, args.unique)
+                    cpu1 = cpu_seconds(gw.pid)
                     counts1 = filter_counts(port)
                     # what the filters counted during this point (gauges such as loop_lag_ms: the value after it)
                     via["filters"] = {k: v - counts0.get(k, 0) if isinstance(v, int) else v for k, v in counts1.items()}
-                    # includes the 1 s warm-up's requests in the CPU but not in the count: an upper bound
-                    via["cpu_us_per_req"] = (cpu_seconds(gw.pid) - cpu0) / max(via["requests"], 1) * 1e6
+                    served = via["requests"] + via.get("warmup_requests", 0)
+                    via["cpu_us_per_req"] = (cpu1 - cpu0) / max(served, 1) * 1e6
                     row = {"variant": name, "mode": "stream-16" if stream else "unary", "concurrency": c,
                            "direct": direct, "gateway": via, "added_p50_ms": via["p50_ms"] - direct["p50_ms"],
                            "added_p99_ms": via["p99_ms"] - direct["p99_ms"]}
