@@ -36,8 +36,9 @@ class LoopStats:
     ticks: int = 0
     max_stall_s: float = 0.0  # longest gap between ticks beyond the period
     max_stall_at_s: float = 0.0  # when it ended, seconds from the watch's start
-    max_stall_on_cpu_s: float | None = None  # of that gap: the loop thread on a CPU
-    max_stall_runqueue_s: float | None = None  # of that gap: runnable, waiting for a CPU
+    # where the time of the tick interval that held it went (the stall plus the period): on a CPU, waiting for one
+    max_stall_on_cpu_s: float | None = None
+    max_stall_runqueue_s: float | None = None
     runqueue_s: float | None = None  # the loop thread's run-queue wait over the whole run
 
     def describe(self) -> dict[str, float | int | None]:
