@@ -16,6 +16,33 @@ def secs(ms: float | None) -> str:
     return "-" if ms is None else f"{ms / 1000.0:.2f}s"
 
 
+LATE_S = 0.1  # a send this long after its planned time is reported under the run's table
+
+
+def late_sends(r: dict[str, Any]) -> list[float]:
+    """Schedule lags (s) of the sends over ``LATE_S`` late."""
+    return [s - p for p, s in zip(r.get("planned_times") or [], r.get("start_times") or []) if s - p > LATE_S]
+
+
+def late_warning(r: dict[str, Any]) -> str | None:
+    """What to say when the generator sent late: the load offered was less than planned, and why if known."""
+    late = late_sends(r)
+    if not late:
+        return None
+    msg = (f"{len(late)} of {r['num_prompts']} requests were sent over {LATE_S * 1000:.0f} ms after their planned "
+           f"time (up to {max(late) * 1000:.0f} ms): the load offered was less than planned.")
+    g = r.get("generator") or {}
+    if g.get("max_stall_ms") is not None:
+        msg += f" The generator's loop stalled for up to {g['max_stall_ms']:.0f} ms"
+        if g.get("max_stall_on_cpu_ms") is not None:
+            msg += (f" ({g['max_stall_on_cpu_ms']:.0f} ms of that interval on a CPU, "
+                    f"{g['max_stall_runqueue_ms']:.0f} ms waiting for one; {g['runqueue_ms']:.0f} ms waiting in all)")
+        msg += "."
+    if g.get("runqueue_ms") and g["runqueue_ms"] >= LATE_S * 1000:
+        msg += " The machine running the load is short of CPU: give the generator a core of its own."
+    return msg
+
+
 def print_run(r: dict[str, Any], console: Console) -> None:
     t = Table(title=f"loadtest {r.get('label') or ''}".strip(), show_header=False)
     t.add_column("figure")
@@ -50,6 +77,8 @@ def print_run(r: dict[str, Any], console: Console) -> None:
     for k, v in rows:
         t.add_row(k, v)
     console.print(t)
+    if warning := late_warning(r):
+        console.print(f"[yellow]{warning}", highlight=False)
     gw = r.get("gateway")
     if gw:
         print_gateway_compare(gw, console)
