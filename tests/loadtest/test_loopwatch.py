@@ -76,3 +76,12 @@ def test_a_heap_frozen_by_someone_else_stays_frozen():
         assert gc.get_freeze_count() >= owned > 0
     finally:
         gc.unfreeze()
+
+
+def test_without_schedstat_only_the_gaps_are_measured(monkeypatch):
+    from usefulwork.loadtest import loopwatch
+
+    monkeypatch.setattr(loopwatch, "_schedstat_reader", lambda: (None, None))  # not Linux, or no schedstat
+    g = _watch_while(lambda: time.sleep(0.2))
+    assert g["max_stall_ms"] >= 180 and g["ticks"] > 10
+    assert g["max_stall_on_cpu_ms"] is None and g["max_stall_runqueue_ms"] is None and g["runqueue_ms"] is None

@@ -49,19 +49,24 @@ class LoopStats:
 
 
 def _schedstat_reader():
-    """A function returning (on-CPU s, run-queue wait s) of the calling thread, or None without schedstat."""
+    """(read, file): ``read()`` gives the calling thread's (on-CPU s, run-queue wait s) from its schedstat;
+    (None, None) where that file cannot be read or parsed (not Linux, no CONFIG_SCHED_INFO)."""
     path = f"/proc/self/task/{threading.get_native_id()}/schedstat"
     try:
         f = open(path, "rb", buffering=0)  # noqa: SIM115 - kept open for the watch's life, closed by it
-        f.read()
     except OSError:
         return None, None
 
     def read() -> tuple[float, float]:
         f.seek(0)
-        on_cpu, runqueue, _ = f.read().split()
+        on_cpu, runqueue = f.read().split()[:2]
         return int(on_cpu) / 1e9, int(runqueue) / 1e9
 
+    try:
+        read()
+    except (OSError, ValueError):
+        f.close()
+        return None, None
     return read, f
 
 
