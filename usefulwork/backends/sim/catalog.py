@@ -32,6 +32,15 @@ class Calibration:
     per_seq_overhead_ms: float = 0.0  # per scheduled sequence (sampling, detokenization, bookkeeping)
     request_overhead_ms: float = 10.0  # API front-end cost before a request reaches the scheduler
     reserved_gib: float = 1.0  # CUDA context, graphs, non-torch memory
+    # How a step's memory and compute times combine: None = max(memory, compute) (they overlap fully);
+    # p = (memory^p + compute^p)^(1/p), which adds the part that does not overlap where both are large
+    # (a mixed step, a big decode batch). Fitted where a real card's steps were timed (gpu_roofline.py).
+    overlap_p: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.overlap_p is not None and not self.overlap_p >= 1.0:
+            raise SpecError(f"calibration.overlap_p must be at least 1 (1 adds memory and compute time; larger "
+                            f"overlaps them more; leave it out for max), got {self.overlap_p!r}")
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,9 @@
     compute = (2 x active params x tokens + attention FLOPs) / tp / (peak FLOP/s x mfu x precision speedup)
     step    = step_overhead + per_seq_overhead x sequences + max(memory, compute) + tensor-parallel all-reduces
 
+where the catalog gives a GPU an ``overlap_p`` (fitted to a real card's timed steps), max(memory, compute)
+becomes (memory^p + compute^p)^(1/p): the two overlap only in part when both are large.
+
 A decode-only step is bandwidth-bound (every step streams all weights once); a step carrying a big
 prefill chunk is compute-bound. Mixture-of-experts models read only the routed experts' weights
 at small batch sizes and all of them once enough tokens are in the batch.
@@ -52,6 +55,7 @@ class StepTimer:
         self._flops_per_token = 2.0 * m.active_params_b * 1e9
         # QK^T and PV: 2 matmuls x 2 FLOPs x layers x (q heads x head dim) per (query, key) pair.
         self._attn_flops_per_pair = 4.0 * m.layers * m.q_heads * m.head_dim
+        self._p = cal.overlap_p
         self._step_overhead = cal.step_overhead_ms / 1e3
         self._per_seq = cal.per_seq_overhead_ms / 1e3
         self._tp_per_token = 0.0
@@ -79,7 +83,11 @@ class StepTimer:
         memory = self.weight_bytes_read(tokens) / self._bw + kv_read * self._kv_per_token / self._kv_bw
         compute = (self._flops_per_token * tokens + self._attn_flops_per_pair * attn_pairs) / self._flops
         overhead = self._step_overhead + self._per_seq * len(plan.items) + self._tp_fixed + self._tp_per_token * tokens
-        return StepCost(overhead + max(memory, compute), memory, compute, overhead)
+        hi = max(memory, compute)
+        p = self._p
+        # (memory^p + compute^p)^(1/p), written from the larger one so that no power underflows
+        bound = hi if p is None or hi <= 0.0 else hi * (1.0 + (min(memory, compute) / hi) ** p) ** (1.0 / p)
+        return StepCost(overhead + bound, memory, compute, overhead)
 
     def seconds(self, plan: StepPlan) -> float:
         return self.cost(plan).seconds
