@@ -19,9 +19,8 @@ BENCH = Path(__file__).resolve().parents[3] / "docs" / "bench"
 @pytest.mark.parametrize("gpu,card", [("H200", "h200"), ("H100-SXM", "h100")])
 def test_catalog_holds_the_calibration_fitted_to_the_real_card(tmp_path: Path, gpu: str, card: str):
     out = tmp_path / "fit.json"
-    args = ["fit", str(BENCH / f"gpu-roofline-{card}-raw.json"), "--gpu", gpu, "--json", str(out)]
-    if card == "h200":
-        args += ["--holdout", str(BENCH / "gpu-roofline-h200-raw-2.json")]  # the same card, another lease
+    args = ["fit", str(BENCH / f"gpu-roofline-{card}-raw.json"), "--gpu", gpu, "--json", str(out),
+            "--holdout", str(BENCH / f"gpu-roofline-{card}-raw-2.json")]  # the same card on another lease
     assert gpu_roofline.main(args) == 0
     fit = json.loads(out.read_text())
     cal = gpu_spec(gpu).calibration
@@ -29,10 +28,10 @@ def test_catalog_holds_the_calibration_fitted_to_the_real_card(tmp_path: Path, g
         assert getattr(cal, key) == pytest.approx(value, abs=0.002), key
     rows = [r for r in fit["rows"] if r["calibration"] == "fitted"]
     assert len(rows) >= 15 and all(abs(r["error"]) <= 0.10 for r in rows), rows
-    if card == "h200":
-        held = fit["held_out"]
-        assert len(held) == 16
-        assert sum(abs(r["error"]) <= 0.10 for r in held) >= 14 and all(abs(r["error"]) <= 0.12 for r in held), held
+    held = fit["held_out"]  # steps the fit never saw: H200 14 of 16 within 10% (worst 10.9%), H100 15 of 15
+    assert len(held) == len(rows)
+    assert sum(abs(r["error"]) <= 0.10 for r in held) >= len(held) - 2, held
+    assert all(abs(r["error"]) <= 0.12 for r in held), held
 
 
 def _mixed_step() -> StepPlan:
