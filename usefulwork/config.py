@@ -71,8 +71,12 @@ class Timeouts(_Strict):
     health_interval_s: float = Field(2.0, gt=0, description="Health check and /metrics scrape period.")
     retry_after_down_s: float = Field(5.0, gt=0, description="How long a failed replica stays down before re-probing.")
     client_header_s: float = Field(10.0, gt=0, description="A client must send a request's line and headers within "
-                                   "this time of connecting (or of the previous response's end on a kept-alive connection); "
+                                   "this time of connecting (on a kept-alive connection: of the head's first byte); "
                                    "else 408 and close (slowloris).")
+    client_keep_alive_s: float = Field(75.0, gt=0, description="An idle kept-alive client connection is closed after "
+                                       "this long. Keep it above the clients' own idle expiry (httpx and the OpenAI "
+                                       "SDKs 5 s, aiohttp 15 s): a client that sends on a connection the gateway is "
+                                       "closing gets a connection error instead of an answer.")
 
 
 class SLO(_Strict):

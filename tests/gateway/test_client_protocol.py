@@ -158,7 +158,7 @@ async def ten_requests_on_one_timer(proto, t: Transport, deadline) -> None:
     assert len(t.writes) == 10 and len(timers) <= 4
 
 
-async def test_the_head_deadline_follows_each_response_with_one_timer():
+async def test_the_head_deadline_follows_each_head_with_one_timer():
     async def app(scope, receive, send):
         await receive()
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"0")]})
@@ -172,6 +172,50 @@ async def test_the_head_deadline_follows_each_response_with_one_timer():
     assert b" 408 " in t.writes[-1].split(b"\r\n")[0]  # answered (then half-closed: lingering)
     proto.connection_lost(None)
     assert proto._head_deadline.timer is None
+
+
+async def test_an_idle_kept_alive_connection_is_left_to_the_keep_alive_timeout():
+    # Before: the head deadline ran from each response's end, so a client idle past client_header_s (10 s)
+    # lost its connection while its pool (aiohttp: 15 s) still held it for the next request.
+    proto, t = connect(sized_app(), header_s=0.3, keep_alive_s=60)
+    proto.data_received(REQUEST)
+    await settle()
+    await asyncio.sleep(0.6)  # idle for twice the head deadline
+    assert not t.closed
+    proto.data_received(REQUEST[:10])  # the next head's first bytes start its deadline...
+    await asyncio.sleep(0.1)
+    proto.data_received(REQUEST[10:])  # ...which it meets
+    await settle()
+    assert len(t.writes) == 2 and all(b" 200 " in w.split(b"\r\n")[0] for w in t.writes)
+    proto.data_received(REQUEST[:10])  # a next head that stalls is still refused in time
+    await asyncio.sleep(0.5)
+    assert b" 408 " in t.writes[-1].split(b"\r\n")[0]
+    proto.connection_lost(None)
+
+
+def test_a_new_connection_that_sends_nothing_is_closed_by_the_head_deadline():
+    async def main():
+        proto, t = connect(sized_app(), header_s=0.3, keep_alive_s=60)
+        await asyncio.sleep(0.5)
+        assert t.closed and not t.writes  # slowloris: closed without an answer
+        proto.connection_lost(None)
+
+    asyncio.run(main())
+
+
+def test_the_gateway_keeps_idle_client_connections_longer_than_client_pools_do():
+    from usefulwork.gateway.serve import uvicorn_config
+
+    def keep_alive(extra: dict) -> float:
+        cfg = from_mapping({"pools": [{"name": "p", "models": ["m"], "replicas": ["http://127.0.0.1:9"]}], **extra},
+                           environ={})
+        return uvicorn_config(cfg, object()).timeout_keep_alive
+
+    # httpx (the OpenAI SDKs) expires idle connections after 5 s and aiohttp after 15 s: at uvicorn's own 5 s,
+    # a client could send on a connection the gateway was closing at the same instant (most likely the
+    # ReadError seen once in 601 requests of an admission burst run)
+    assert keep_alive({}) == 75.0 > 15.0
+    assert keep_alive({"timeouts": {"client_keep_alive_s": 20}}) == 20.0
 
 
 async def test_the_keep_alive_timeout_follows_each_response_with_one_timer():

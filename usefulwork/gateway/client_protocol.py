@@ -8,8 +8,10 @@ connections stayed open for ever. This subclass, handed to uvicorn as its ``http
 - ``limits.max_header_bytes`` on the request line plus headers: 431 (414 when the URL alone is over),
   checked after every network read, so the work done on an oversized head is bounded;
 - ``timeouts.client_header_s``: a connection must deliver a complete head within that time of
-  connecting, or of the end of its previous response; else 408 (or a plain close when it sent
-  nothing at all). Idle kept-alive connections are still closed by uvicorn's keep-alive timeout;
+  connecting, or, on a kept-alive connection, of the head's first byte; else 408 (or a plain close
+  when a new connection sent nothing at all). Idle kept-alive connections are closed by the keep-alive
+  timeout alone (``timeouts.client_keep_alive_s``, 75 s), which must outlast the clients' own idle
+  expiry: a connection closed while a client sends on it loses that request to a connection error;
 - framing errors (bad Content-Length, Content-Length with Transfer-Encoding, control characters
   in a header, ...) answered as OpenAI-style JSON 400 instead of uvicorn's plain text.
 
@@ -298,6 +300,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             return
         self._unset_keepalive_if_required()
         if self._in_head:
+            if not self._head_bytes and self._head_deadline.deadline is None:
+                self._arm()  # a kept-alive connection's next head: its deadline runs from its first byte
             self._head_bytes += len(data)
         try:
             self.parser.feed_data(data)
@@ -412,9 +416,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self.pipeline:  # start the next pipelined request
             cycle, app = self.pipeline.pop()
             self._start_asgi_task(cycle, app)
-        else:
+        else:  # idle until the next head's first byte: only the keep-alive timeout closes it
             self._keep_alive.arm(self.timeout_keep_alive)
-            self._arm()  # the next request's head must arrive in time too
 
 
 def protocol_class(cfg: Config) -> type[GuardedHttpToolsProtocol]:

@@ -105,16 +105,22 @@ def proxy_headers_for_routes(app, trusted_hosts) -> None:
     app.app = ProxyHeadersMiddleware(app.app, trusted_hosts=trusted_hosts)
 
 
-def run_gateway(cfg: Config, log_level: str = "warning", sockets=None, quiet: bool = False) -> None:
+def uvicorn_config(cfg: Config, app, log_level: str = "warning"):
+    """uvicorn's settings for the gateway: its client protocol, and the keep-alive of ``timeouts``."""
     import uvicorn
 
-    from usefulwork.gateway.app import build_app
     from usefulwork.gateway.client_protocol import protocol_class
 
+    return uvicorn.Config(app, host=cfg.listen.host, port=cfg.listen.port, loop="auto", http=protocol_class(cfg),
+                          access_log=False, log_level=log_level, lifespan="on", timeout_graceful_shutdown=10,
+                          proxy_headers=False, timeout_keep_alive=cfg.timeouts.client_keep_alive_s)
+
+
+def run_gateway(cfg: Config, log_level: str = "warning", sockets=None, quiet: bool = False) -> None:
+    from usefulwork.gateway.app import build_app
+
     app = build_app(cfg)
-    uv = uvicorn.Config(app, host=cfg.listen.host, port=cfg.listen.port, loop="auto", http=protocol_class(cfg),
-                        access_log=False, log_level=log_level, lifespan="on", timeout_graceful_shutdown=10,
-                        proxy_headers=False)
+    uv = uvicorn_config(cfg, app, log_level)
     proxy_headers_for_routes(app, uv.forwarded_allow_ips)
     server = _server(uv, app.state.drain)
     if not quiet:
