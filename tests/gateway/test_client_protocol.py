@@ -193,6 +193,32 @@ async def test_an_idle_kept_alive_connection_is_left_to_the_keep_alive_timeout()
     proto.connection_lost(None)
 
 
+async def test_part_of_a_next_head_sent_during_a_response_gets_its_deadline_after_it():
+    release = asyncio.Event()
+
+    async def slow(scope, receive, send):
+        await receive()
+        await release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"0")]})
+        await send({"type": "http.response.body", "body": b""})
+
+    for first in (REQUEST + REQUEST[:10], REQUEST):  # part of the next head in the same read, or a read of its own
+        release.clear()
+        proto, t = connect(slow, header_s=0.3, keep_alive_s=60)
+        proto.data_received(first)
+        await settle()
+        if first == REQUEST:
+            proto.data_received(REQUEST[:10])
+        await asyncio.sleep(0.5)  # the deadline passes while the response is pending: it waits for it
+        release.set()
+        await settle()
+        assert len(t.writes) == 1 and b" 200 " in t.writes[0].split(b"\r\n")[0]
+        proto.data_received(REQUEST[10:11])  # ...then trickles: every byte would disarm the keep-alive timer
+        await asyncio.sleep(0.5)
+        assert b" 408 " in t.writes[-1].split(b"\r\n")[0], first
+        proto.connection_lost(None)
+
+
 def test_a_new_connection_that_sends_nothing_is_closed_by_the_head_deadline():
     async def main():
         proto, t = connect(sized_app(), header_s=0.3, keep_alive_s=60)

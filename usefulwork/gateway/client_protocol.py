@@ -221,6 +221,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._in_head = True  # the next bytes belong to a request head (also a pipelined one)
         self._head_bytes = 0  # bytes received for the current head
+        self._head_begun = False  # the parser has begun a head it has not finished (a pipelined one included)
         self._url_bytes = 0
         self._fields_bytes = 0
         # the loop time by which the awaited request head must be complete
@@ -348,6 +349,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     # -- parser callbacks --
     def on_message_begin(self) -> None:
         self._url_bytes = self._fields_bytes = 0
+        self._head_begun = True
         super().on_message_begin()
         self.scope["extensions"] = {**(self.scope.get("extensions") or {}), DISCONNECT: DisconnectWatch()}
 
@@ -361,6 +363,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._disarm()
+        self._head_begun = False
         self._in_head = False
         self._head_bytes = 0
         if self._url_bytes + self._fields_bytes > self.max_header_bytes:
@@ -418,6 +421,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._start_asgi_task(cycle, app)
         else:  # idle until the next head's first byte: only the keep-alive timeout closes it
             self._keep_alive.arm(self.timeout_keep_alive)
+            if self._head_begun:  # ...unless part of the next head came during this response: its deadline runs now
+                self._arm()
 
 
 def protocol_class(cfg: Config) -> type[GuardedHttpToolsProtocol]:
