@@ -8,8 +8,9 @@ connections stayed open for ever. This subclass, handed to uvicorn as its ``http
 - ``limits.max_header_bytes`` on the request line plus headers: 431 (414 when the URL alone is over),
   checked after every network read, so the work done on an oversized head is bounded;
 - ``timeouts.client_header_s``: a connection must deliver a complete head within that time of
-  connecting, or, on a kept-alive connection, of the head's first byte; else 408 (or a plain close
-  when a new connection sent nothing at all). Idle kept-alive connections are closed by the keep-alive
+  connecting, or, on a kept-alive connection, of the head's first byte (of the previous response's
+  end for a head begun while that response was pending); else 408 (or a plain close when a new
+  connection sent nothing at all). Idle kept-alive connections are closed by the keep-alive
   timeout alone (``timeouts.client_keep_alive_s``, 75 s), which must outlast the clients' own idle
   expiry: a connection closed while a client sends on it loses that request to a connection error;
 - framing errors (bad Content-Length, Content-Length with Transfer-Encoding, control characters
