@@ -223,11 +223,10 @@ def _parts(gpu: str, steps: list[dict]) -> list[tuple[float, float, float]]:
 def _predict(cal: list[float], parts) -> "np.ndarray":
     import numpy as np
 
+    from usefulwork.backends.sim.timing import combine
+
     hbm, kv, mfu, p = cal
-    mem = np.array([w / hbm + k / (hbm * kv) for w, k, _ in parts])
-    comp = np.array([c / mfu for _, _, c in parts])
-    hi, lo = np.maximum(mem, comp), np.minimum(mem, comp)
-    return hi * (1.0 + (lo / hi) ** p) ** (1.0 / p)  # (mem^p + comp^p)^(1/p) without underflow, as StepTimer
+    return np.array([combine(w / hbm + k / (hbm * kv), c / mfu, p) for w, k, c in parts])
 
 
 def _fit_all(gpu: str, steps: list[dict]) -> dict[str, float]:

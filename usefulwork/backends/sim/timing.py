@@ -25,6 +25,15 @@ ALLREDUCE_LATENCY_S = 8e-6
 INTERCONNECT_BYTES_PER_S = 300e9  # NVLink-class per-direction bandwidth
 
 
+def combine(memory: float, compute: float, p: float | None) -> float:
+    """A step's memory and compute time together: ``max`` (full overlap) without ``p``, else
+    (memory^p + compute^p)^(1/p), written from the larger one so that no power underflows."""
+    hi = max(memory, compute)
+    if p is None or hi <= 0.0:
+        return hi
+    return hi * (1.0 + (min(memory, compute) / hi) ** p) ** (1.0 / p)
+
+
 @dataclass(frozen=True)
 class StepCost:
     seconds: float
@@ -83,11 +92,7 @@ class StepTimer:
         memory = self.weight_bytes_read(tokens) / self._bw + kv_read * self._kv_per_token / self._kv_bw
         compute = (self._flops_per_token * tokens + self._attn_flops_per_pair * attn_pairs) / self._flops
         overhead = self._step_overhead + self._per_seq * len(plan.items) + self._tp_fixed + self._tp_per_token * tokens
-        hi = max(memory, compute)
-        p = self._p
-        # (memory^p + compute^p)^(1/p), written from the larger one so that no power underflows
-        bound = hi if p is None or hi <= 0.0 else hi * (1.0 + (min(memory, compute) / hi) ** p) ** (1.0 / p)
-        return StepCost(overhead + bound, memory, compute, overhead)
+        return StepCost(overhead + combine(memory, compute, self._p), memory, compute, overhead)
 
     def seconds(self, plan: StepPlan) -> float:
         return self.cost(plan).seconds
