@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 
 import pytest
 
@@ -50,6 +51,45 @@ def test_admit_queue_then_shed_at_arrival_with_retry_after():
     assert [d.retry_after_s for d in shed] == pytest.approx([0.575 + 0.25 * i for i in range(8)])
     assert len(q.reservations) == 8
     assert q.shed_total == {"predicted_wait": 8}
+
+
+def test_a_returning_retry_queues_by_when_its_place_was_promised():
+    """A retry that takes back its reserved place queues behind the tickets that asked before its place
+    was promised (its Retry-After counted them) and ahead of the new requests its tenant sent since
+    (they counted its place as work ahead): its wait is that of its place. Queued at the back, it
+    waited for the tenant's newer work too and was shed again."""
+    q = make_queue(limit=4, service_s=1.0)
+    q.return_prior = 1.0
+    for _ in range(4):
+        assert q.offer(ticket(0.0), 0.0).kind == "admit"  # 4 slots, all end at 1 s
+    early = []
+    while True:  # fill the queue until one is shed
+        t = ticket(0.0)
+        t.key = 7
+        d = q.offer(t, 0.0)
+        if d.kind == "shed":
+            break
+        early.append(t)
+    assert len(early) == 4 and 0 < d.retry_after_s < 1.0
+    back = d.retry_after_s + 0.2  # a little late, within its place's grace
+    fresh = []
+    for i in range(3):  # new work of the same tenant before it comes back: queued behind its place
+        t = ticket(back - 0.1)
+        t.key = 100 + i
+        if q.offer(t, back - 0.1).kind == "queue":
+            fresh.append(t)
+    assert fresh
+    retry = ticket(back)
+    retry.key = 7
+    assert q.offer(retry, back).kind == "queue"
+    assert retry.since == 0.0 and list(q.queues[0]["a"]) == early + [retry] + fresh
+    # Dispatched in that order as the slots free.
+    order = []
+    now = 1.0
+    while q.queued:
+        order += q.release(min(q.running, key=lambda x: x.admitted_at), now)
+        now += 0.05
+    assert order.index(retry) == 4 and order.index(fresh[0]) == 5
 
 
 def test_predicted_slot_wait_counts_every_slot_that_cycles_not_only_the_running_ones():
@@ -485,12 +525,14 @@ def test_simulated_burst_every_admitted_request_meets_its_deadline():
     assert q.return_rate("a") < 0.05  # places nobody took back stopped counting
 
 
-def _run_with_retries(q: PoolQueue, tenant: str, arrivals: list[float], retry: bool) -> tuple[int, int, list[float]]:
-    """``tenant``'s clients arrive at ``arrivals`` on 8 slots of ~1 s (0.7-1.3 s); with ``retry`` a
-    shed one waits out its Retry-After and sends the same request again (up to 3 times). Returns
-    (first retries, of them admitted, the Retry-After of each first shed)."""
-    def service(i: int) -> float:
-        return 0.7 + 0.6 * ((i * 7) % 11) / 10
+def _run_with_retries(q: PoolQueue, tenant: str, arrivals: list[float], retry: bool,
+                      service: Callable[[int], float] | None = None) -> tuple[int, int, list[float]]:
+    """``tenant``'s clients arrive at ``arrivals``, each served for ``service(i)`` (default 0.7-1.3 s);
+    with ``retry`` a shed one waits out its Retry-After and sends the same request again (up to 3
+    times). Returns (first retries, of them admitted, the Retry-After of each first shed)."""
+    if service is None:
+        def service(i: int) -> float:
+            return 0.7 + 0.6 * ((i * 7) % 11) / 10
 
     events: list = []
     seq = 0
@@ -532,6 +574,18 @@ def test_retry_after_is_a_reserved_place_a_returning_client_finds():
     assert first_retries > 100
     assert admitted_first / first_retries >= 0.9
     assert q.retries_honoured >= first_retries and not q.reservations  # every place taken back or expired
+
+
+def test_retry_after_waits_for_the_first_slot_of_a_pool_full_of_requests_that_started_together():
+    """A burst fills 32 slots held 4 s within 2 s: no slot frees before 4 s. The fluid drain (8 a second)
+    said "back in 50 ms" to every request shed from then on, and each spent its three retries against
+    the same full pool (1 of 16 first retries admitted). The drain starts when the first slot frees."""
+    q = make_queue(limit=32, service_s=4.0)
+    arrivals = [i / 16 for i in range(48)]  # 16 req/s for 3 s
+    first_retries, admitted_first, first_ra = _run_with_retries(q, "a", arrivals, retry=True, service=lambda i: 4.0)
+    assert first_retries == 16 and admitted_first == 16
+    # Told to come back when the first slots are near (they free at 4 s; the last shed was sent at 2.94 s).
+    assert min(first_ra) > 1.0 and all(a + r >= 3.0 for a, r in zip(arrivals[32:], first_ra))
 
 
 def _burst_with_retries(q: PoolQueue, tenant: str, start: float, retry: bool) -> tuple[int, int, list[float]]:

@@ -34,6 +34,11 @@ never return teach the gateway to give another tenant's returning clients one an
 Retry-After, so they came back together into room for one or two. A tenant not seen yet starts at
 ``return_prior`` (0.5: no evidence either way; 1.0 spread a retrying tenant's first wave best but held
 places for clients that never return: 99 more requests failed in the autoscale what-if's day).
+The drain is a fluid, but where even the first place a request could take frees later than its
+budget can wait (a pool full of requests that started together), the drain starts from that place.
+A retry that takes its place back queues by when the place was promised (``Ticket.since``): behind
+the tickets that asked before (its Retry-After counted them), ahead of its tenant's newer work (which
+counted its place as work ahead).
 
 The predicted wait is (work ahead of it in dispatch order, less free slots) / drain rate. When new
 interactive work overtakes queued lower-class work, those whose predicted wait no longer fits their
@@ -74,6 +79,7 @@ class Ticket:
     deadline: float  # latest dispatch time that can still meet the SLO
     max_tokens: int | None = None
     key: int = 0  # identifies a retry of the same request (tenant + body): its reserved place
+    since: float | None = None  # a retry that took back its place: when that place was promised (it queues by this)
     state: State = "new"
     admitted_at: float | None = None
     inflight_at_admit: int = 0
@@ -125,7 +131,7 @@ class PoolQueue:
     admitted_total: int = 0
     shed_total: dict[str, int] = field(default_factory=dict)
     reservations: list[tuple[float, int]] = field(default_factory=list)  # (retry time, ticket key), sorted
-    _held: dict[int, tuple[float, str]] = field(default_factory=dict)  # ticket key -> (its reserved time, tenant)
+    _held: dict[int, tuple[float, str, float]] = field(default_factory=dict)  # ticket key -> (its time, tenant, promised at)
     _held_by: dict[str, int] = field(default_factory=dict)  # tenant -> places it holds
     retries_honoured: int = 0
     return_prior: float = 0.5  # return rate of a tenant with no ended reservation yet
@@ -224,7 +230,7 @@ class PoolQueue:
         n = sum(sum(len(q) for q in self.queues[c].values()) for c in range(t.cls))
         if own is None:
             mine = self.queues[t.cls].get(t.tenant)
-            own = len(mine) if mine else 0
+            own = (len(mine) if t.since is None else _asked_before(mine, t.since)) if mine else 0
         n += own
         for tenant, q in self.queues[t.cls].items():
             if tenant != t.tenant:
@@ -262,6 +268,16 @@ class PoolQueue:
         start = starts[i] if i < len(starts) else now
         return max(1e-3, start + service * (rounds + 1) - now)  # overdue: any moment (not "now": no slot is free)
 
+    def _first_place_in(self, t: Ticket, now: float) -> float:
+        """Seconds until the first place a ticket like ``t`` could take frees (0: one is free now)."""
+        first = 0.0
+        if self.slot_free(t.cls, t.tenant) <= 0 and self.running:
+            first = self._slot_free_in(1, now)
+        prefill = self.prefill_free(t.cls)
+        if prefill is not None and prefill <= 0:
+            first = max(first, self.capacity.prefill_wait(1 - prefill))
+        return first
+
     def ttft_budget(self, t: Ticket, now: float) -> float:
         """How long ``t`` may wait and still meet its TTFT deadline (the E2E SLO aside)."""
         return t.deadline - now - self.est_ttft(t.cls)
@@ -294,10 +310,12 @@ class PoolQueue:
             self._active = (math.nan, 0.0)  # a new active tenant: the shares change
         self.last_seen[t.tenant] = now
         held = self._take_reservation(t.key, now)
+        if held is not None:
+            t.since = held[1]
         budget = self.budget(t, now)
         # A returning request is behind only the places promised before its own; a new one is behind
         # every place that falls due within its budget.
-        reserved = round(self._reserved_until(held if held is not None else now + max(0.0, budget)))
+        reserved = round(self._reserved_until(held[0] if held is not None else now + max(0.0, budget)))
         wait = self.predict_wait(t, now, reserved)
         if wait == 0.0 and self.ahead_of(t) == 0:
             self._admit(t, now)
@@ -337,6 +355,9 @@ class PoolQueue:
         # request's budget allows; hold that place for this tenant.
         rate = self.drain_rate(t.cls)
         full_budget = max(0.0, self.ttft_budget(t, t.arrival))
+        # How much later than its budget can wait the first place it could take frees (> 0 in a pool
+        # full of requests that started together: slots free in clumps, and they end together).
+        first = self._first_place_in(t, now) - QUEUE_SAFETY * self.budget(t, t.arrival)
         if rate:
             # + 2 dispatch intervals of margin: a retry told the exact boundary would miss half the time.
             # (A Retry-After from the predicted wait of the place behind every promised one, against the
@@ -346,11 +367,16 @@ class PoolQueue:
             promised = round(sum(self.return_rate(x) * n for x, n in self._held_by.items()))
             behind_all = self.ahead_of(t) + promised + 4 - max(0, self.free(t.cls, t.tenant))
             retry = max(0.0, behind_all / rate - QUEUE_SAFETY * full_budget)
+            if first > 0:
+                # The fluid drain starts only when that first place frees: from a burst's first seconds
+                # it said "now" where the first slot was 3.8 s away, and each shed client spent its three
+                # retries in 0.15 s against the same full pool.
+                retry = max(retry, first + (promised + 4) / rate)
         else:
             retry = 1.0
-        retry = max(retry, 0.05)
+        retry = max(retry, first, 0.05)
         if t.cls < 2 and t.key:
-            self._reserve(now + retry, t.key, t.tenant)
+            self._reserve(now + retry, t.key, t.tenant, now)
         return Decision("shed", reason, predicted_wait_s=wait, retry_after_s=retry)
 
     # -- retry reservations --
@@ -366,7 +392,7 @@ class PoolQueue:
         keep = 1.0 - RETURN_EWMA  # older outcomes fade: a tenant's clients may change
         self.returns[tenant] = (back * keep + returned, ended * keep + 1.0)
 
-    def _unhold(self, key: int) -> tuple[float, str] | None:
+    def _unhold(self, key: int) -> tuple[float, str, float] | None:
         held = self._held.pop(key, None)
         if held is not None:
             n = self._held_by[held[1]] - 1
@@ -387,25 +413,26 @@ class PoolQueue:
         if i:
             del r[:i]
 
-    def _reserve(self, at: float, key: int, tenant: str) -> None:
+    def _reserve(self, at: float, key: int, tenant: str, since: float | None = None) -> None:
+        """Hold a place at ``at`` for the retry of ``key``, promised at ``since`` (default: ``at``)."""
         old = self._unhold(key)
         if old is not None:
             self.reservations.remove((old[0], key))
-        self._held[key] = (at, tenant)
+        self._held[key] = (at, tenant, at if since is None else since)
         self._held_by[tenant] = self._held_by.get(tenant, 0) + 1
         bisect.insort(self.reservations, (at, key))
 
-    def _take_reservation(self, key: int, now: float) -> float | None:
-        """The retry of a shed request takes back its place; returns the place's time."""
+    def _take_reservation(self, key: int, now: float) -> tuple[float, float] | None:
+        """The retry of a shed request takes back its place; returns (the place's time, when it was promised)."""
         self._prune(now)
         held = self._unhold(key) if key else None
         if held is None:
             return None
-        at, tenant = held
+        at, tenant, since = held
         self.reservations.remove((at, key))
         self.retries_honoured += 1
         self._learn_return(tenant, True)
-        return at
+        return at, since
 
     def _reserved_until(self, until: float) -> float:
         """Places held for retries due before ``until``, each weighted by its tenant's return rate."""
@@ -427,7 +454,14 @@ class PoolQueue:
             floor = min((self.counters.get(u, 0.0) for c in self.queues for u, uq in c.items() if uq), default=None)
             if floor is not None:
                 self.counters[t.tenant] = max(self.counters.get(t.tenant, 0.0), floor)
-        q.append(t)
+        if t.since is None:
+            q.append(t)
+        else:
+            # A returning retry's place was promised when it was shed: it queues behind the tickets that
+            # asked before that (its Retry-After counted them) and ahead of the tenant's newer work (which
+            # counted its place as work ahead). Queued at the back, it found the newer work ahead of it
+            # and was shed again.
+            q.insert(_asked_before(q, t.since), t)
         t.state = "queued"
         self.queued += 1
 
@@ -621,6 +655,21 @@ class PoolQueue:
                 "retry_return_rate": {k: round(self.return_rate(k), 3) for k in self.returns},
                 "shed": dict(self.shed_total), "capacity": self.capacity.stats(),
                 "fair_share_tokens": {k: round(v, 1) for k, v in self.counters.items()}}
+
+
+def _asked(t: Ticket) -> float:
+    """When ``t`` asked for its place: its arrival, or for a returning retry when its place was promised."""
+    return t.arrival if t.since is None else t.since
+
+
+def _asked_before(q: deque[Ticket], when: float) -> int:
+    """How many of ``q`` (in the order they asked) asked for their place at or before ``when``."""
+    n = 0
+    for t in q:
+        if _asked(t) > when:
+            break
+        n += 1
+    return n
 
 
 def retry_after_header(seconds: float) -> list[tuple[bytes, bytes]]:
