@@ -355,8 +355,8 @@ class PoolQueue:
         # request's budget allows; hold that place for this tenant.
         rate = self.drain_rate(t.cls)
         full_budget = max(0.0, self.ttft_budget(t, t.arrival))
-        # How much later than its budget can wait the first place it could take frees (> 0 in a pool
-        # full of requests that started together: slots free in clumps, and they end together).
+        # How far past what its budget can wait the first place it could take frees (> 0 in a pool
+        # full of requests that started together: they end together, so slots free in clumps).
         first = self._first_place_in(t, now) - QUEUE_SAFETY * self.budget(t, t.arrival)
         if rate:
             # + 2 dispatch intervals of margin: a retry told the exact boundary would miss half the time.
