@@ -112,7 +112,7 @@ def test_queued_ticket_behind_held_places_is_dispatched_at_once_when_slots_are_f
     q = make_queue(limit=4, service_s=1.0)
     q.return_prior = 1.0
     for key in range(101, 106):
-        q._reserve(0.5, key, "b")  # five shed clients promised a place at 0.5 s: more than the 4 free slots
+        q._reserve(0.5, key, "b", 0.0)  # five shed clients promised a place at 0.5 s: more than the 4 free slots
     t = ticket(0.0)
     d = q.offer(t, 0.0)
     assert d.kind == "admit" and t.state == "admitted" and q.inflight == 1 and q.queued == 0

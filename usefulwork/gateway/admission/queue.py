@@ -240,7 +240,10 @@ class PoolQueue:
     def predict_wait(self, t: Ticket, now: float, reserved: int = 0, own: int | None = None) -> float | None:
         """Seconds until ``t`` would be dispatched (0: now; None: no measurement yet): the later of a
         free slot and a free prefill place."""
-        ahead = self.ahead_of(t, own) + reserved + 1
+        return self._place_wait(self.ahead_of(t, own) + reserved + 1, t, now)
+
+    def _place_wait(self, ahead: int, t: Ticket, now: float) -> float | None:
+        """Seconds until the ``ahead``-th place (its own included) a ticket like ``t`` could take frees."""
         prefill = self.prefill_free(t.cls)
         wait = 0.0 if prefill is None or ahead <= prefill else self.capacity.prefill_wait(ahead - prefill)
         free = max(0, self.slot_free(t.cls, t.tenant))
@@ -267,16 +270,6 @@ class PoolQueue:
         rounds, i = divmod(position - 1, len(starts) + free)
         start = starts[i] if i < len(starts) else now
         return max(1e-3, start + service * (rounds + 1) - now)  # overdue: any moment (not "now": no slot is free)
-
-    def _first_place_in(self, t: Ticket, now: float) -> float:
-        """Seconds until the first place a ticket like ``t`` could take frees (0: one is free now)."""
-        first = 0.0
-        if self.slot_free(t.cls, t.tenant) <= 0 and self.running:
-            first = self._slot_free_in(1, now)
-        prefill = self.prefill_free(t.cls)
-        if prefill is not None and prefill <= 0:
-            first = max(first, self.capacity.prefill_wait(1 - prefill))
-        return first
 
     def ttft_budget(self, t: Ticket, now: float) -> float:
         """How long ``t`` may wait and still meet its TTFT deadline (the E2E SLO aside)."""
@@ -357,7 +350,7 @@ class PoolQueue:
         full_budget = max(0.0, self.ttft_budget(t, t.arrival))
         # How far past what its budget can wait the first place it could take frees (> 0 in a pool
         # full of requests that started together: they end together, so slots free in clumps).
-        first = self._first_place_in(t, now) - QUEUE_SAFETY * self.budget(t, t.arrival)
+        first = (self._place_wait(1, t, now) or 0.0) - QUEUE_SAFETY * self.budget(t, t.arrival)
         if rate:
             # + 2 dispatch intervals of margin: a retry told the exact boundary would miss half the time.
             # (A Retry-After from the predicted wait of the place behind every promised one, against the
@@ -413,12 +406,12 @@ class PoolQueue:
         if i:
             del r[:i]
 
-    def _reserve(self, at: float, key: int, tenant: str, since: float | None = None) -> None:
-        """Hold a place at ``at`` for the retry of ``key``, promised at ``since`` (default: ``at``)."""
+    def _reserve(self, at: float, key: int, tenant: str, since: float) -> None:
+        """Hold a place at ``at`` for the retry of ``key``, promised at ``since``."""
         old = self._unhold(key)
         if old is not None:
             self.reservations.remove((old[0], key))
-        self._held[key] = (at, tenant, at if since is None else since)
+        self._held[key] = (at, tenant, since)
         self._held_by[tenant] = self._held_by.get(tenant, 0) + 1
         bisect.insort(self.reservations, (at, key))
 
