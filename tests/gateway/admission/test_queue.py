@@ -352,6 +352,9 @@ def test_capacity_grows_only_when_the_limit_was_tested_and_slowly_near_the_targe
     assert cap.limit == 10.0
     cap.observe(Sample(0.2, 0.02, 3.2, 640, True, inflight_at_admit=9), 0.0)
     assert cap.limit == pytest.approx(10.0 + 1.0 / 10.0)  # ... by one per limit's worth of samples
+    for _ in range(12):  # the pool holds int(10.1) = 10 requests: full, it tested the limit (it stuck at 10.1)
+        cap.observe(Sample(0.2, 0.02, 3.2, 640, True, inflight_at_admit=9), 0.0)
+    assert 11.0 <= cap.limit < 11.1  # and stops where 10 in flight no longer fill it
 
 
 def test_capacity_limit_is_per_replica_and_starts_from_what_replicas_run():

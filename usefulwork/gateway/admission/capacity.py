@@ -393,7 +393,9 @@ class Capacity:
         # Only a limit that was used has been tested: far under the targets, half of it (fast growth);
         # near them, all of it.
         fast = load < 0.8
-        if per_replica + 1 >= (0.5 if fast else 1.0) * self.limit:
+        # (tested against the slots the limit gives, a whole number: near the target the limit grows by
+        # fractions of a slot, and a pool that holds int(limit) requests never tested 36.03: it stuck there)
+        if s.inflight_at_admit + 1 >= (0.5 if fast else 1.0) * math.floor(self.limit * n + 1e-9):
             self._grow((1.0 if fast else 1.0 / (self.limit * n)) / n, n)
 
     def _grow(self, step: float, n: int) -> None:
