@@ -18,7 +18,10 @@ for up to ``grace_s``. Compared policies (``POLICIES``):
 With admission on, requests go through the admission filter's own queue and capacity objects
 (usefulwork/gateway/admission/queue.py ``PoolQueue`` and capacity.py ``Capacity``, which take ``now``),
 driven on the same virtual clock: admit / queue / shed at arrival, the per-replica in-flight limits
-learnt from finished requests (times the serving replicas), deadlines, Retry-After reservations. Clients behave as the OpenAI SDK by default:
+learnt from finished requests (times the serving replicas), deadlines, Retry-After reservations. Every
+2 s each replica is scraped as the gateway scrapes vLLM's ``/metrics``, into the gateway's own replica
+record (usefulwork/upstream/fleet.py ``Replica``): running, waiting, KV usage, and the inter-token
+latency histogram that gives the live decode speed admission judges and prices waits at. Clients behave as the OpenAI SDK by default:
 a 429 is retried after its Retry-After (``max_retries`` times); a request not finished ``timeout_s``
 after it was sent is abandoned (the replica aborts it). Latency is measured from the FIRST send, so a
 retried request's wait counts against its SLO.
@@ -50,6 +53,7 @@ from usefulwork.gateway.admission.config import AdmissionCfg
 from usefulwork.gateway.admission.queue import PoolQueue, Ticket
 from usefulwork.loadtest.metrics import SLOSpec
 from usefulwork.loadtest.hpa import HPA, SEED_DOWN, SEED_UP, SYNC_PERIOD_S, Rules
+from usefulwork.upstream.fleet import Replica as ReplicaView
 
 # Per-pod target of the gateway policy's metric (queued at the gateway + being served): 75% of the
 # requests one replica holds in flight at its SLO capacity under the day's bursty arrivals (Little's law:
@@ -164,14 +168,36 @@ class Replica:
     plan: Any = None
     plan_end: float = math.inf
     inflight: int = 0
-    waiting: float = 0.0  # vllm:num_requests_waiting and vllm:kv_cache_usage_perc as the gateway last
-    kv_usage: float = 0.0  # scraped them (every timeouts.health_interval_s; read by admission.Capacity)
-    running: float = 0.0  # vllm:num_requests_running
+    # What the gateway last scraped (every timeouts.health_interval_s; read by admission.Capacity): the
+    # gateway's own replica record, fed the same metrics, so the live decode speed (``itl_live``, from
+    # vLLM's inter-token latency histogram) is computed as the gateway computes it.
+    scraped: ReplicaView = field(default_factory=lambda: ReplicaView(url="sim", pool="sim"))
 
     def scrape(self) -> None:
-        self.waiting = float(len(self.engine.scheduler.waiting))
-        self.running = float(self.engine.num_running)
-        self.kv_usage = self.engine.kv.usage
+        itl = self.engine.stats.itl
+        self.scraped.take_metrics({"waiting": float(len(self.engine.scheduler.waiting)),
+                                   "running": float(self.engine.num_running), "kv_usage": self.engine.kv.usage,
+                                   "itl_sum": itl.total, "itl_count": float(itl.n)})
+
+    @property
+    def waiting(self) -> float:  # vllm:num_requests_waiting (the scheduler's queue)
+        return self.scraped.waiting
+
+    @property
+    def running(self) -> float:  # vllm:num_requests_running
+        return self.scraped.running
+
+    @property
+    def kv_usage(self) -> float:  # vllm:kv_cache_usage_perc
+        return self.scraped.kv_usage
+
+    @property
+    def itl_live(self) -> float | None:
+        return self.scraped.itl_live
+
+    @property
+    def scrapes(self) -> int:
+        return self.scraped.scrapes
 
     def serving(self, now: float) -> bool:
         return self.removed_at is None and self.ready_at <= now
@@ -480,7 +506,8 @@ class Simulation:
             "ready": sum(1 for r in live if r.ready_at <= self.now),
             "running": sum(r.engine.num_running for r in live), "vllm_waiting": sum(r.engine.num_waiting for r in live),
             "gateway_queued": self.queue.queued if self.queue is not None else 0,
-            "admission_limit": self.queue.capacity.current() if self.queue is not None else None})
+            "admission_limit": self.queue.capacity.current() if self.queue is not None else None,
+            "live_tpot_s": self.queue.capacity.live_tpot_mean if self.queue is not None else None})
 
     # -- figures --
     def _result(self, cpu_s: float, end: float) -> dict[str, Any]:

@@ -105,7 +105,8 @@ class Capacity:
         self.ttft_floor: float | None = None  # the lowest running mean of service TTFT seen: the unloaded TTFT
         self.tpot: float | None = None
         self.tpot_full: float | None = None  # EWMA of TPOT of requests admitted into a full pool (>= 90% of the limit)
-        self.live_tpot: float | None = None  # the replicas' inter-token latency now (Replica.itl_live; see judge_live)
+        self.live_tpot: float | None = None  # the slowest replica's inter-token latency now (Replica.itl_live; see judge_live)
+        self.live_tpot_mean: float | None = None  # the replicas' mean of it (what one request, on one replica, decodes at)
         self._live_seen: dict[int, int] = {}  # id(replica) -> its scrape count when last judged
         self.live_decreases = 0
         self.service_full: float | None = None  # EWMA of the hold time of those requests
@@ -230,8 +231,12 @@ class Capacity:
         """Expected service time (with the same tail margin) of a request that may produce ``max_tokens``
         tokens **in a full pool**: the queue asks this only of requests that wait, and a waiting request
         starts when the pool is at its limit, where decoding is slowest. (The overall mean TPOT, after a
-        quiet spell, promised a burst's first queued requests 1.6 s of service that took 3.8 s.)"""
-        tpot = max(self.tpot or 0.0, self.tpot_full or 0.0, self.live_tpot or 0.0) or None
+        quiet spell, promised a burst's first queued requests 1.6 s of service that took 3.8 s.) The live
+        decode speed counted is the replicas' mean, not the slowest one's (which judges the limit): the
+        request runs on one replica, and the least-loaded one at that. (With the slowest, the autoscale
+        what-if's day, six replicas at its peak, made 2,166 shed decisions instead of 1,669 and failed 526
+        requests instead of 396.)"""
+        tpot = max(self.tpot or 0.0, self.tpot_full or 0.0, self.live_tpot_mean or 0.0) or None
         if tpot is not None and max_tokens:
             return self.est_ttft() + tpot * max(0, max_tokens - 1)
         return (self.service or 0.0) + 2.0 * self.service_dev
@@ -255,9 +260,10 @@ class Capacity:
         if seen == self._live_seen:
             return
         self._live_seen = seen
-        live = max((v for r in reps if getattr(r, "healthy", True) and (v := getattr(r, "itl_live", None)) is not None),
-                   default=None)
+        lives = [v for r in reps if getattr(r, "healthy", True) and (v := getattr(r, "itl_live", None)) is not None]
+        live = max(lives, default=None)
         self.live_tpot = live
+        self.live_tpot_mean = sum(lives) / len(lives) if lives else None
         # (no verdict before a round trip was measured: the cold limit is initial_concurrency, and the
         # once-per-service-time rule needs a service time; without it every scrape cut the limit to 1)
         if live is None or live <= self.tpot_target or self.service is None or now - self.last_decrease < self.service:
@@ -420,7 +426,7 @@ class Capacity:
         return {"limit": self.current(), "fill_limit": self.fill(), "replicas": self.count(),
                 "limit_per_replica": round(self.limit, 2), "fill_per_replica": round(self.batch_limit, 2),
                 "service_s": self.service, "service_ttft_s": self.svc_ttft, "tpot_s": self.tpot, "tpot_full_s": self.tpot_full,
-                "live_tpot_s": self.live_tpot, "live_decreases": self.live_decreases,
+                "live_tpot_s": self.live_tpot, "live_tpot_mean_s": self.live_tpot_mean, "live_decreases": self.live_decreases,
                 "service_tail_s": self.tail(self.recent_e2e), "service_ttft_tail_s": self.tail(self.recent_ttft),
                 "drain_per_s": self.drain_rate(), "kv_cap": self.kv_cap(), "saturated": self.saturated(),
                 "samples": self.samples, "decreases": self.decreases, "fill_decreases": self.batch_decreases,
