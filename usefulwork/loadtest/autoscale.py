@@ -168,10 +168,15 @@ class Replica:
     plan: Any = None
     plan_end: float = math.inf
     inflight: int = 0
-    # What the gateway last scraped (every timeouts.health_interval_s; read by admission.Capacity): the
-    # gateway's own replica record, fed the same metrics, so the live decode speed (``itl_live``, from
-    # vLLM's inter-token latency histogram) is computed as the gateway computes it.
-    scraped: ReplicaView = field(default_factory=lambda: ReplicaView(url="sim", pool="sim"))
+    # What the gateway last scraped (every timeouts.health_interval_s): the gateway's own replica record,
+    # fed the same metrics, so admission.Capacity reads the same fields it reads in the gateway, the
+    # live decode speed (``itl_live``, from vLLM's inter-token latency histogram) computed the same way.
+    scraped: ReplicaView = field(init=False)
+
+    def __post_init__(self) -> None:
+        spec = self.engine.spec
+        self.scraped = ReplicaView(url="sim", pool="sim", healthy=True, num_gpu_blocks=float(spec.num_gpu_blocks),
+                                   block_size=float(spec.block_size))
 
     def scrape(self) -> None:
         itl = self.engine.stats.itl
@@ -179,36 +184,8 @@ class Replica:
                                    "running": float(self.engine.num_running), "kv_usage": self.engine.kv.usage,
                                    "itl_sum": itl.total, "itl_count": float(itl.n)})
 
-    @property
-    def waiting(self) -> float:  # vllm:num_requests_waiting (the scheduler's queue)
-        return self.scraped.waiting
-
-    @property
-    def running(self) -> float:  # vllm:num_requests_running
-        return self.scraped.running
-
-    @property
-    def kv_usage(self) -> float:  # vllm:kv_cache_usage_perc
-        return self.scraped.kv_usage
-
-    @property
-    def itl_live(self) -> float | None:
-        return self.scraped.itl_live
-
-    @property
-    def scrapes(self) -> int:
-        return self.scraped.scrapes
-
     def serving(self, now: float) -> bool:
         return self.removed_at is None and self.ready_at <= now
-
-    @property
-    def num_gpu_blocks(self) -> float:
-        return float(self.engine.spec.num_gpu_blocks)
-
-    @property
-    def block_size(self) -> float:
-        return float(self.engine.spec.block_size)
 
 
 @dataclass(eq=False)
@@ -245,7 +222,8 @@ class Simulation:
         self.queue: PoolQueue | None = None
         if policy.admission:
             cfg = AdmissionCfg()
-            cap = Capacity(cfg, slo.ttft_ms / 1e3, slo.tpot_ms / 1e3, slo.e2e_ms / 1e3, replicas=self._serving,
+            cap = Capacity(cfg, slo.ttft_ms / 1e3, slo.tpot_ms / 1e3, slo.e2e_ms / 1e3,
+                           replicas=lambda: [r.scraped for r in self._serving()],
                            replica_count=lambda: len(self._serving()))
             self.queue = PoolQueue("llama-8b", cap, reserve_fraction=cfg.reserve_fraction, max_queue=cfg.max_queue,
                                    e2e_slo_s=slo.e2e_ms / 1e3, return_prior=cfg.retry_return_prior)
