@@ -51,7 +51,7 @@ log = logging.getLogger("usefulwork.embedding")
 DIM = 384
 MEMO_KEY = "embedding"
 TOKENS_KEY = "embedding_tokens"  # the request's token count (before any cut), next to its vector
-EXPORT_VERSION = 1  # bump when the exported graph changes: cached files are named after it
+EXPORT_VERSION = 2  # bump when the exported graph changes: cached files are named after it (2: eager attention)
 Backend = Literal["onnx-int8", "onnx", "torch"]
 Limit = int | tuple[int, int]  # max_tokens, or (max_tokens, head_tokens): see Embedder.tokenize
 
@@ -161,7 +161,11 @@ def export_onnx(path: str, out: Path, int8: bool) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     fp32 = out.with_name(out.name.replace("-int8", "-fp32"))
     if not fp32.exists():
-        model = _pooled_model(SentenceTransformer(path, device="cpu"))
+        # eager attention: transformers' SDPA path exports its mask as IsNaN / Where over every score
+        # tensor (~1.4 ms of a 94-token pass); the eager path adds the mask to the scores: the same
+        # vectors, about 8% less time per pass (docs/benchmarks.md section 9)
+        st = SentenceTransformer(path, device="cpu", model_kwargs={"attn_implementation": "eager"})
+        model = _pooled_model(st)
         ids = torch.tensor([[101, 7592, 2088, 102], [101, 7592, 102, 0]])
         mask = (ids != 0).long()
         axes = {"input_ids": {0: "batch", 1: "tokens"}, "attention_mask": {0: "batch", 1: "tokens"},
@@ -305,7 +309,9 @@ class Embedder:
         keeps its first ``head_tokens`` (``[CLS]`` included; all but one by default) and then its last
         ones (``[SEP]`` included)."""
         self.load()
-        encs = self._tokenizer.encode_batch(texts)
+        # one text (the request path's case): encode_batch's parallel dispatch costs as much as the
+        # tokenization itself (0.6 against 0.3 ms for a 94-token conversation)
+        encs = [self._tokenizer.encode(texts[0])] if len(texts) == 1 else self._tokenizer.encode_batch(texts)
         counts = [len(e.ids) for e in encs]
         rows = [_cut(e.ids, lim, self.max_tokens) for e, lim in zip(encs, limits or [self.max_tokens] * len(texts))]
         width = max((len(r) for r in rows), default=0)
