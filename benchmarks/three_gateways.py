@@ -260,7 +260,8 @@ def main() -> int:
         print("bursts", out["bursts"], flush=True)
 
         # 4. kill one gateway mid-run: no acknowledged request without its ledger record (SIGTERM; then
-        # SIGKILL on a fresh trio with its own books, which by design loses what the killed one still held)
+        # SIGKILL on a fresh trio with its own books: the survivors write the killed one's journaled records,
+        # marked recovered, without GPU $; its share of the books dies with it)
         def kill_phase(gws, ports, sig, tag: str, books_prefix: str) -> dict:
             kill_loop = OpenLoop(ports)
             res = asyncio.run(kill_loop.run(args.rate, args.duration, bench_req, at=lambda: gws[2].send_signal(sig)))
@@ -269,7 +270,8 @@ def main() -> int:
             for gw in gws[:2]:
                 gw.send_signal(signal.SIGTERM)
             rcs = [gw.wait(timeout=60) for gw in gws[:2]] + [rc2]
-            ids = {r.get("client_request_id") for i in range(3) for r in ledger(tmp / f"{tag}gw{i}.jsonl")}
+            recs = [r for i in range(3) for r in ledger(tmp / f"{tag}gw{i}.jsonl")]
+            ids = {r.get("client_request_id") for r in recs}
             acked = [rid for p in ports for rid in kill_loop.acked[p]]
             lost = [rid for rid in acked if rid not in ids]
             r = redis.Redis.from_url(REDIS)
@@ -277,6 +279,8 @@ def main() -> int:
             paid = sum(x["gpu_cost_usd"] or 0.0 for i in range(3) for x in ledger(tmp / f"{tag}gw{i}.jsonl"))
             return {**res, "signal": signal.Signals(sig).name, "exit_codes": rcs, "acknowledged": len(acked),
                     "acknowledged_by_killed": len(kill_loop.acked[ports[2]]), "lost": len(lost), "lost_sample": lost[:5],
+                    "recovered": sum(1 for r in recs if r.get("recovered")),
+                    "written_twice": len(recs) - len({r["id"] for r in recs}),
                     "gpu_books": {**books, "ledger_gpu_cost_usd": paid, "conservation_error": books.get("attributed_usd", 0)
                                   + books.get("idle_usd", 0) - books.get("cost_usd", 0)},
                     "loadavg": os.getloadavg()}

@@ -210,9 +210,15 @@ class LedgerCfg(_Strict):
     max_hold_s: float = Field(5.0, gt=0, description="Longest a finished request's record waits for GPU-time "
                               "settlement while other requests still run; a record reaches the sinks within "
                               "max(max_hold_s, 2 x cost.interval_s) + cost.interval_s + flush_interval_s "
-                              "(what a SIGKILL can lose; docs/reliability.md).")
+                              "(what the write-ahead journal covers when a gateway dies; docs/reliability.md).")
     shutdown_timeout_s: float = Field(5.0, gt=0, description="Longest a clean stop waits for a sink that does "
                                       "not answer (e.g. a hung Redis) before giving up on it.")
+    journal: bool = Field(True, description="With a sink: journal each finished request as it finishes, so a "
+                          "gateway that dies (SIGKILL, OOM) loses no record; another gateway sharing `journal_dir` "
+                          "(or this one, restarted) writes them, marked `recovered` (docs/reliability.md).")
+    journal_dir: str | None = Field(None, description="Where the journal lives; default: `.usefulwork-journal` "
+                                    "beside `jsonl_path`, else one directory per Redis stream under the cache dir. "
+                                    "Gateways that share sinks should share it.")
 
 
 class CostCfg(_Strict):

@@ -36,6 +36,12 @@ def _jsonl(path) -> list[dict]:
     return [orjson.loads(line) for line in path.read_bytes().splitlines()] if path.exists() else []
 
 
+async def _ok(head, body, w):
+    w.write(json_response(200, USAGE))
+    await w.drain()
+    return True
+
+
 def _post(url: str, content: str = "hi") -> int:
     return httpx.post(url + "/v1/chat/completions", timeout=30, json={
         "model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 4}).status_code
@@ -85,12 +91,7 @@ def test_sigkill_loses_only_requests_that_ended_within_the_bound(tmp_path):
     """Issue #9.3: one client holding a request open (partial body) held every later record in
     memory, so a SIGKILL lost them all. Now records reach the sink within
     max(max_hold_s, 2 x interval_s) + interval_s + flush_interval_s whatever is still open."""
-    async def ok(head, body, w):
-        w.write(json_response(200, USAGE))
-        await w.drain()
-        return True
-
-    up = FaultUpstream(ok).start()
+    up = FaultUpstream(_ok).start()
     jsonl = tmp_path / "ledger.jsonl"
     gw = start_gateway(tmp_path, _cfg(up.url, ledger={"jsonl_path": str(jsonl), "max_hold_s": 1.0},
                                       cost={"interval_s": 0.5}))
@@ -113,6 +114,49 @@ def test_sigkill_loses_only_requests_that_ended_within_the_bound(tmp_path):
     finally:
         holder.close()
         gw.stop()
+        up.close()
+
+
+@pytest.mark.parametrize("heir", ["sibling", "restart"])
+def test_sigkill_loses_no_answered_request_the_next_gateway_writes_them_once(tmp_path, heir):
+    """Issue 14: a gateway that dies loses no ledger record of a request it answered. 60 answered, then
+    SIGKILL at once: their records were still held for GPU-time settlement (before the journal, all lost).
+    A gateway sharing the JSONL ledger and its journal directory, already running (a sibling, as under
+    `serve --workers`) or started after the kill, writes every one of them, once, marked recovered."""
+    up = FaultUpstream(_ok).start()
+    jsonl = tmp_path / "ledger.jsonl"
+    cfg = _cfg(up.url, ledger={"jsonl_path": str(jsonl)})
+    others = [start_gateway(tmp_path, cfg)] if heir == "sibling" else []
+    victim = start_gateway(tmp_path, cfg)
+    try:
+        with httpx.Client(base_url=victim.url, timeout=30) as client:
+            ids = []
+            for i in range(60):
+                r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": [
+                    {"role": "user", "content": f"q{i}"}]})
+                assert r.status_code == 200
+                ids.append(r.headers["x-request-id"])
+        victim.proc.send_signal(signal.SIGKILL)
+        victim.proc.wait(10)
+        cut = set(ids) - {r["id"] for r in _jsonl(jsonl)}
+        assert cut, "the kill cut no record: this run shows nothing"
+        if heir == "restart":
+            others.append(start_gateway(tmp_path, cfg))
+        deadline = time.monotonic() + 20
+        while not set(ids) <= {r["id"] for r in _jsonl(jsonl)} and time.monotonic() < deadline:
+            time.sleep(0.2)
+        recs = [r for r in _jsonl(jsonl) if r["id"] in set(ids)]
+        assert sorted(r["id"] for r in recs) == sorted(ids), f"{len(set(ids) - {r['id'] for r in recs})} lost"
+        recovered = [r for r in recs if r["recovered"]]
+        assert {r["id"] for r in recovered} == cut
+        assert all(r["status_code"] == 200 and r["outcome"] == "ok" and r["prompt_tokens"] == 5
+                   and r["completion_tokens"] == 1 and r["slo_met"] and r["gpu_cost_usd"] is None
+                   and r["e2e_ms"] > 0 for r in recovered)
+        assert others[0].stop(signal.SIGTERM) == 0
+        assert list((tmp_path / ".usefulwork-journal").iterdir()) == []  # everything confirmed: nothing left
+    finally:
+        for gw in others + [victim]:
+            gw.stop()
         up.close()
 
 

@@ -69,6 +69,7 @@ class RequestContext:
     error: str | None = None
     cost_usd: float = 0.0  # price-sheet cost, filled by accounting
     slo_met: bool | None = None
+    recovered: bool = False  # rebuilt from the journal of a gateway that died (accounting/journal.py)
 
     # Raw SSE events already sent to the client. Kept only so that a stream cut before usage
     # arrived can be counted with a tokenizer afterwards (never parsed on the hot path).

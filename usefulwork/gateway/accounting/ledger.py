@@ -14,8 +14,9 @@ A record therefore reaches the sinks once its GPU-time share is final: shortly a
 ends, and never later than ``ledger.max_hold_s`` (+ one interval + one flush) however long other
 requests keep running: past that hold, work a still-running request did before the frontier is
 booked after it instead (totals stay conserved). Requests not yet forwarded upstream (a client
-still sending its body) hold nothing back. So a SIGKILL loses at most the records of requests that
-ended within that bound (docs/reliability.md).
+still sending its body) hold nothing back. With a sink, ``finish`` also appends the request to the
+write-ahead journal (``journal.py``), acknowledged once every sink has its record, so a gateway that
+dies loses none: a gateway sharing the journal directory writes them (docs/reliability.md).
 
 ``stop()`` lets the pass in progress finish (a slow token estimate included), accounts whatever is
 still queued, settles everything up to now and flushes every sink, so a clean stop loses nothing a
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections import deque
 from typing import Any, Callable
@@ -36,6 +38,7 @@ import orjson
 from usefulwork.upstream.fleet import Fleet
 from usefulwork.config import SLO, Config
 from usefulwork.gateway.context import RequestContext
+from usefulwork.gateway.accounting import journal as journal_mod
 from usefulwork.gateway.accounting.costing import PoolMeter, Settled, Share, price_sheet_cost, request_spans, work_units
 from usefulwork.gateway.accounting.shared import SharedBooks, publish_loop
 from usefulwork.gateway.accounting.sinks import Sink
@@ -115,6 +118,7 @@ def to_record(ctx: RequestContext, work: float, times: tuple) -> dict:
         "cost_usd": ctx.cost_usd,
         "gpu_cost_usd": None,
         "work": work,
+        "recovered": ctx.recovered,
     }
 
 
@@ -138,7 +142,8 @@ class Ledger:
 
     def __init__(self, cfg: Config, fleet: Fleet, sinks: list[Sink], *, telemetry: Telemetry | None = None,
                  estimator: TokenEstimator | None = None, meters: dict[str, PoolMeter] | None = None,
-                 clock: Callable[[], float] = time.time, settle_hold_s: float | None = None):
+                 clock: Callable[[], float] = time.time, settle_hold_s: float | None = None,
+                 journal_dir: str | os.PathLike[str] | None = None):
         self.cfg = cfg
         self.fleet = fleet
         self.sinks = sinks
@@ -170,6 +175,12 @@ class Ledger:
         self.filter_stats: dict[str, Callable[[], dict]] = {}  # name -> the filter's stats() (set by the app)
         self.shared: SharedBooks | None = None  # several gateways as one (scale_out.redis_url; accounting/shared.py)
         self._publisher: asyncio.Task | None = None
+        # the write-ahead journal (accounting/journal.py): opened at start when a sink and a directory are given
+        self.journal_dir = journal_dir if sinks else None
+        self.journal: journal_mod.Journal | None = None
+        self._to_ack: list[str] = []  # ids of records handed to the sinks, acknowledged once every sink has them
+        self._next_adopt = 0.0
+        self.recovered = 0
 
     def _replicas_changed(self, pool: Any, added: list, removed: list) -> None:
         """gpu.per_replica: the pool's bill follows its replicas from now on (a replica costs from the moment
@@ -187,6 +198,8 @@ class Ledger:
 
     def finish(self, ctx: RequestContext) -> None:
         self._inflight.pop(id(ctx), None)
+        if self.journal is not None:
+            self.journal.append(ctx)
         self._queue.append(ctx)
         self.finished += 1
         if len(self._queue) >= self.cfg.ledger.batch_size:
@@ -194,6 +207,15 @@ class Ledger:
 
     # -- lifecycle --
     async def start(self) -> None:
+        if self.journal_dir is not None and self.journal is None:
+            try:
+                self.journal = journal_mod.Journal(self.journal_dir, asyncio.get_running_loop())
+            except OSError as exc:  # a read-only disk must not keep the gateway from serving: said once, loudly
+                log.error("ledger journal off: cannot write %s (%s); set ledger.journal_dir to a writable "
+                          "directory, or a gateway that dies loses the records it still holds", self.journal_dir, exc)
+                self.journal_dir = None
+            else:
+                self._adopt()  # a restarted gateway writes what it had not confirmed when it died
         if self.shared is not None and self._task is None:
             await self.shared.join(self.meters)  # the fleet's interval alignment, before any booking
             self.stats.started_at = min((m.started_at for m in self.meters.values()), default=self.stats.started_at)
@@ -232,6 +254,8 @@ class Ledger:
                               "a write that timed out may still have landed (records carry an idempotency key)",
                               name, len(backlog), self._last_error.get(name, "none"))
         finally:
+            if self.journal is not None:
+                self.journal.close()  # keeps what a sink did not confirm, for the next gateway to write
             if self.shared is not None:
                 await self._leave_fleet()
             for sink in self.sinks:
@@ -253,6 +277,8 @@ class Ledger:
             if self._stopped:
                 return  # stop() runs the final pass
             try:
+                if self.journal is not None and time.monotonic() >= self._next_adopt:
+                    self._adopt()
                 await self._process()
             except asyncio.CancelledError:
                 raise
@@ -266,7 +292,7 @@ class Ledger:
             batch.append(self._queue.popleft())
         if batch:
             need = [c for c in batch if c.usage_source == "none" and not c.cache.startswith("hit")
-                    and (c.replica is not None or c.streamed_events)]
+                    and (c.replica is not None or c.streamed_events) and not c.recovered]
             if need:
                 try:
                     await asyncio.to_thread(self._estimate, need)
@@ -331,6 +357,10 @@ class Ledger:
                 telemetry.record(ctx, times, rec)
             except Exception:
                 log.exception("telemetry record failed for %s", ctx.id)
+        if ctx.recovered:  # its GPU-time books died with its gateway: no share to settle here
+            if rec is not None:
+                ready.append(rec)
+            return
         meter = self.meters.get(ctx.pool) if ctx.pool else None
         if meter is None or prefill + decode <= 0:
             if rec is not None:
@@ -430,9 +460,24 @@ class Ledger:
             ready.append(rec)
         self._enqueue(ready)
 
+    def _adopt(self) -> None:
+        """Write the records a dead gateway sharing the journal directory had not confirmed."""
+        self._next_adopt = time.monotonic() + journal_mod.ADOPT_EVERY_S
+        try:
+            ctxs = self.journal.adopt_orphans()
+        except Exception:  # noqa: BLE001 - never let recovery stop the ledger; the next look retries
+            log.exception("ledger journal: recovery failed")
+            return
+        if ctxs:
+            self.recovered += len(ctxs)
+            self._queue.extend(ctxs)
+            self._wake.set()
+
     def _enqueue(self, records: list[dict]) -> None:
         if not records or not self.sinks:
             return
+        if self.journal is not None:
+            self._to_ack.extend(r["id"] for r in records)
         encoded = [orjson.dumps(r) for r in records]
         for name, backlog in self._backlog.items():
             backlog.extend(encoded)
@@ -460,6 +505,9 @@ class Ledger:
                 continue
             del backlog[:len(batch)]
             self.written[sink.name] += len(batch)
+        if self.journal is not None and not any(self._backlog.values()):
+            ids, self._to_ack = self._to_ack, []
+            self.journal.ack(ids)  # every sink has every record handed to it so far
 
     # -- reads (event loop) --
     def _counters(self) -> dict:
@@ -469,6 +517,8 @@ class Ledger:
             "held_for_settlement": len(self._held),
             "records_written": dict(self.written),
             "records_dropped": self.records_dropped,
+            "journal_pending": 0 if self.journal is None else self.journal.pending,
+            "recovered": self.recovered,
         }
 
     def raw(self) -> dict:
@@ -490,7 +540,7 @@ class Ledger:
                         for sink, n in v.items():
                             led[k][sink] = led[k].get(sink, 0) + n
                     else:
-                        led[k] += v
+                        led[k] = led.get(k, 0) + v  # .get: a counter a gateway of another version lacks
             out["ledger"] = led
             out["scope"] = "fleet"
             out["gateways"] = len(raws)

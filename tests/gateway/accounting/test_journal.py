@@ -1,0 +1,150 @@
+"""The ledger's write-ahead journal (accounting/journal.py): what a dead process leaves is recovered once,
+what was acknowledged is not, a live process's journal is never taken. The real SIGKILL is in
+tests/e2e/test_reliability.py."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+from usefulwork.gateway.accounting.journal import Journal
+from usefulwork.gateway.context import RequestContext
+
+
+def _ctx(i: int) -> RequestContext:
+    ctx = RequestContext(id=f"r{i}", endpoint="chat", model="m", stream=bool(i % 2), tenant=f"t{i % 3}")
+    ctx.pool, ctx.replica, ctx.prompt_tokens, ctx.completion_tokens = "p", "http://r", 10 + i, 20 + i
+    ctx.usage_source, ctx.status_code, ctx.outcome, ctx.priority = "backend", 200, "ok", "batch"
+    ctx.t_validated, ctx.t_forwarded = ctx.t_start + 0.001, ctx.t_start + 0.002
+    ctx.t_first_token, ctx.t_end = ctx.t_start + 0.1 * (i + 1), ctx.t_start + 0.5 * (i + 1)
+    return ctx
+
+
+def _die(j: Journal) -> None:
+    """What a SIGKILL leaves: the files as written, the lock released (no close(), no clean-up)."""
+    os.close(j._fd)
+    os.close(j._lock_fd)
+
+
+def test_a_dead_process_leaves_its_unacknowledged_requests_and_another_recovers_them_once(tmp_path):
+    dead = Journal(tmp_path)
+    sent = [_ctx(i) for i in range(5)]
+    for c in sent:
+        dead.append(c)
+    dead.ack(["r1", "r3"])  # every sink has these two
+    _die(dead)
+
+    heir = Journal(tmp_path)
+    got = {c.id: c for c in heir.adopt_orphans()}
+    assert set(got) == {"r0", "r2", "r4"}
+    for c in sent:
+        if c.id in got:
+            r = got[c.id]
+            assert r.recovered and (r.tenant, r.stream, r.prompt_tokens, r.completion_tokens, r.priority) == (
+                c.tenant, c.stream, c.prompt_tokens, c.completion_tokens, c.priority)
+            assert abs(r.ttft_ms - c.ttft_ms) < 1e-6 and abs(r.e2e_ms - c.e2e_ms) < 1e-6
+            assert r.wall_start == c.wall_start
+    # the dead process's files are gone; its requests are now the heir's own, journaled before the delete
+    assert not list(tmp_path.glob(f"{dead.tag}*"))
+    assert heir.pending == 3
+    assert Journal(tmp_path).adopt_orphans() == []  # taken once, not twice
+
+
+def test_a_live_processs_journal_is_never_taken(tmp_path):
+    live = Journal(tmp_path)
+    live.append(_ctx(0))
+    live.flush()
+    assert Journal(tmp_path).adopt_orphans() == []
+    assert live.pending == 1
+
+
+def test_a_clean_close_with_everything_acknowledged_leaves_nothing_and_one_that_is_not_keeps_it(tmp_path):
+    j = Journal(tmp_path)
+    j.append(_ctx(0))
+    j.ack(["r0"])
+    j.close()
+    assert list(tmp_path.iterdir()) == []
+    k = Journal(tmp_path)
+    k.append(_ctx(1))
+    k.close()  # a sink never confirmed r1
+    assert [c.id for c in Journal(tmp_path).adopt_orphans()] == ["r1"]
+
+
+def test_segments_rotate_and_go_once_their_requests_and_every_older_ones_are_acknowledged(tmp_path):
+    j = Journal(tmp_path, rotate_s=0.0)
+    j.append(_ctx(0))
+    j.ack([])  # rotates: segment 0 holds r0
+    j.append(_ctx(1))
+    j.ack(["r1"])  # segment 1's request acknowledged, but segment 0's is not: both stay
+    assert len(list(tmp_path.glob(f"{j.tag}.*.jsonl"))) == 3
+    j.ack(["r0"])
+    assert [p.name for p in tmp_path.glob(f"{j.tag}.*.jsonl")] == [f"{j.tag}.{j._seg}.jsonl"]
+    _die(j)
+    assert Journal(tmp_path).adopt_orphans() == []
+
+
+def test_append_writes_once_per_loop_iteration(tmp_path):
+    async def main():
+        j = Journal(tmp_path, asyncio.get_running_loop())
+        for i in range(3):
+            j.append(_ctx(i))
+        path = tmp_path / f"{j.tag}.0.jsonl"
+        assert path.read_bytes() == b""  # buffered until the iteration ends
+        await asyncio.sleep(0)
+        assert len(path.read_bytes().splitlines()) == 3
+        j.close()
+
+    asyncio.run(main())
+
+
+class _Flaky:
+    """A sink that refuses writes until told otherwise."""
+
+    name = "flaky"
+
+    def __init__(self) -> None:
+        self.ok = False
+        self.records: list[bytes] = []
+
+    async def write(self, batch: list[bytes]) -> None:
+        if not self.ok:
+            raise ConnectionError("down")
+        self.records.extend(batch)
+
+    async def close(self) -> None:
+        return None
+
+
+async def test_the_ledger_acknowledges_only_what_every_sink_has_and_a_bad_directory_turns_the_journal_off(tmp_path):
+    from tests.gateway.accounting.test_ledger import T0, Clock, ctx_at, make_cfg
+    from usefulwork.gateway.accounting.costing import PoolMeter
+    from usefulwork.gateway.accounting.ledger import Ledger
+    from usefulwork.upstream.fleet import Fleet
+
+    cfg = make_cfg()
+    sink = _Flaky()
+
+    def ledger(journal_dir):
+        fleet = Fleet(cfg)
+        meters = {n: PoolMeter(n, p.cfg.usd_per_hour, T0, cfg.cost.interval_s) for n, p in fleet.pools.items()}
+        return Ledger(cfg, fleet, [sink], meters=meters, clock=Clock(T0 + 5), journal_dir=journal_dir)
+
+    acc = ledger(tmp_path / "j")
+    await acc.start()
+    for i in range(3):  # no GPU work: written at once, if the sink takes them
+        acc.finish(ctx_at(T0 + i, pool=None, prompt=0, completion=0, outcome="shed", status_code=429))
+    await asyncio.sleep(0.3)
+    assert acc.journal.pending == 3 and sink.records == []  # the sink refused them: still the journal's
+    sink.ok = True
+    await asyncio.sleep(0.3)
+    assert len(sink.records) == 3 and acc.journal.pending == 0
+    await acc.stop()
+    assert list((tmp_path / "j").iterdir()) == []
+
+    (tmp_path / "file").write_text("not a directory")
+    acc = ledger(tmp_path / "file" / "j")
+    await acc.start()  # logged, not raised: the gateway serves without a journal
+    assert acc.journal is None
+    acc.finish(ctx_at(T0, pool=None, prompt=0, completion=0, outcome="shed", status_code=429))
+    await acc.stop()
+    assert len(sink.records) == 4
