@@ -148,3 +148,28 @@ async def test_the_ledger_acknowledges_only_what_every_sink_has_and_a_bad_direct
     acc.finish(ctx_at(T0, pool=None, prompt=0, completion=0, outcome="shed", status_code=429))
     await acc.stop()
     assert len(sink.records) == 4
+
+
+async def test_records_dropped_from_a_failing_sinks_memory_stay_in_the_journal(tmp_path, monkeypatch):
+    from tests.gateway.accounting.test_ledger import T0, Clock, ctx_at, make_cfg
+    from usefulwork.gateway.accounting import ledger as ledger_mod
+    from usefulwork.gateway.accounting.costing import PoolMeter
+    from usefulwork.upstream.fleet import Fleet
+
+    monkeypatch.setattr(ledger_mod, "MAX_BACKLOG", 2)
+    cfg = make_cfg()
+    fleet = Fleet(cfg)
+    meters = {n: PoolMeter(n, p.cfg.usd_per_hour, T0, cfg.cost.interval_s) for n, p in fleet.pools.items()}
+    sink = _Flaky()
+    acc = ledger_mod.Ledger(cfg, fleet, [sink], meters=meters, clock=Clock(T0 + 5), journal_dir=tmp_path)
+    await acc.start()
+    for i in range(5):
+        acc.finish(ctx_at(T0 + i, pool=None, prompt=0, completion=0, outcome="shed", status_code=429))
+    await asyncio.sleep(0.3)
+    assert acc.records_dropped == 3
+    sink.ok = True
+    await asyncio.sleep(0.3)
+    assert len(sink.records) == 2 and acc.journal.pending == 3  # the three dropped ones are not acknowledged
+    await acc.stop()
+    heir = Journal(tmp_path)
+    assert len(heir.adopt_orphans()) == 3  # a later gateway writes them

@@ -479,13 +479,19 @@ class Ledger:
         if self.journal is not None:
             self._to_ack.extend(r["id"] for r in records)
         encoded = [orjson.dumps(r) for r in records]
+        dropped = 0
         for name, backlog in self._backlog.items():
             backlog.extend(encoded)
             if len(backlog) > MAX_BACKLOG:
                 drop = len(backlog) - MAX_BACKLOG
                 del backlog[:drop]
+                dropped = max(dropped, drop)
                 self.records_dropped += drop
                 log.error("ledger sink %s is failing: dropped %d oldest records", name, drop)
+        if dropped and self.journal is not None:
+            # the same oldest ones (_to_ack holds what was enqueued since every backlog was last empty, in
+            # order): never acknowledged, so the journal keeps them for the next gateway to write
+            del self._to_ack[:dropped]
 
     async def _write_sinks(self) -> None:
         for sink in self.sinks:
