@@ -209,7 +209,7 @@ class Ledger:
     async def start(self) -> None:
         if self.journal_dir is not None and self.journal is None:
             try:
-                self.journal = journal_mod.Journal(self.journal_dir, asyncio.get_running_loop())
+                self.journal = journal_mod.Journal(self.journal_dir)
             except OSError as exc:  # a read-only disk must not keep the gateway from serving: said once, loudly
                 log.error("ledger journal off: cannot write %s (%s); set ledger.journal_dir to a writable "
                           "directory, or a gateway that dies loses the records it still holds", self.journal_dir, exc)
