@@ -5,14 +5,14 @@ The ledger holds a finished request's record in memory until its GPU-time share 
 ``ledger.max_hold_s`` + an interval + a flush: 6.5 s by default) and until the sinks confirm it. A
 SIGKILL lost those records: ~290 of the 1,000 a killed gateway had answered at 100 req/s
 (docs/benchmarks.md section 12). With a sink configured, each finished request is also appended to
-this journal as it finishes, in the same step of the request's task that wrote its response: one
-``os.write`` (kernel page cache, so it survives the process, not the machine), no fsync on the
-request path. When every sink has confirmed a batch of records, the journal notes their ids
+this journal as it finishes, in the same step of the request's task that wrote its response: a copy
+into a shared memory map of the journal file (no system call: the pages are the kernel's page cache,
+so the row survives the process, though not the machine), no fsync on the request path. When every sink has confirmed a batch of records, the journal notes their ids
 (an ``ack`` line). What survives a kill is therefore the journal's unacknowledged requests.
 
 Files, in ``ledger.journal_dir`` (default: ``.usefulwork-journal`` beside the JSONL ledger, or one per
 Redis stream under the cache dir): ``<tag>.lock``, held with ``flock`` for the process's life, and
-segments ``<tag>.<n>.jsonl``, a new one every ``ROTATE_S``; a segment is deleted once its requests and
+segments ``<tag>.<n>.jsonl`` (rows, then zeros to the mapped size), a new one every ``ROTATE_S`` or when full; a segment is deleted once its requests and
 every older segment's are acknowledged. A clean stop acknowledges everything and leaves nothing.
 
 Recovery (``adopt_orphans``): a lock file whose ``flock`` can be taken belongs to a dead process. The
@@ -26,9 +26,11 @@ records again (consumers dedupe on ``id``).
 
 What it cannot save: a request killed between its response's write and its journal row's (the same
 task step, tens of microseconds of Python, longer only if the OS preempts the process right there),
-and anything on a machine that loses its page cache (power, kernel crash). Writing the row once per
-event-loop iteration instead (about 1.5 us cheaper per request) lost 1 of 1,000 answered requests in
-one of two three-gateway runs: the iteration's other callbacks ran between the response and the row.
+and anything on a machine that loses its page cache (power, kernel crash). Two designs measured and
+left (docs/benchmarks.md section 12): a ``write`` per row cost 23-27 us of gateway CPU per request at
+c=16 (ext4 stalls now and then: p99 56 us, max 2.5 ms per write); one ``write`` per event-loop
+iteration lost 1 of 1,000 answered requests in one of two SIGKILL runs (the iteration's other
+callbacks ran between the response and the row).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import logging
+import mmap
 import operator
 import os
 import time
@@ -47,6 +50,8 @@ from usefulwork.gateway.context import RequestContext
 log = logging.getLogger("usefulwork.journal")
 
 ROTATE_S = 30.0  # a new segment this often (old ones are deleted once acknowledged)
+SEGMENT_BYTES = 16 << 20  # a segment's mapped size (a sparse file: only what is written takes disk); full -> next
+ACK_CHUNK = 10_000  # ids per ack line
 ADOPT_EVERY_S = 5.0  # how often a ledger looks for a dead process's journal
 FIELDS = ("id", "client_request_id", "wall_start", "tenant", "endpoint", "model", "stream", "pool", "replica",
           "route", "route_reason", "escalated", "discarded_tokens", "discarded_cost_usd", "attempts", "cache",
@@ -99,7 +104,8 @@ class Journal:
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
         os.rename(tmp, self.dir / f"{self.tag}.lock")
         self._seg = -1
-        self._fd = -1
+        self._map: mmap.mmap | None = None
+        self._off = 0
         self._opened = 0.0
         self._segments: dict[int, int] = {}  # segment -> requests not yet acknowledged
         self._seg_of: dict[str, int] = {}  # request id -> its segment
@@ -112,11 +118,17 @@ class Journal:
         return self.dir / f"{self.tag}.{seg}.jsonl"
 
     def _open_segment(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
+        if self._map is not None:
+            self._map.close()
         self._seg += 1
         self._segments[self._seg] = 0
-        self._fd = os.open(self._path(self._seg), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(self._path(self._seg), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            os.ftruncate(fd, SEGMENT_BYTES)
+            self._map = mmap.mmap(fd, SEGMENT_BYTES)  # MAP_SHARED: written bytes are the file's page cache
+        finally:
+            os.close(fd)
+        self._off = 0
         self._opened = time.monotonic()
 
     # -- the request path --
@@ -127,19 +139,22 @@ class Journal:
         self._segments[seg] += 1
 
     def _write(self, data: bytes) -> None:
-        """One ``write`` (the kernel keeps it if the process dies); O_APPEND, so rows never interleave."""
-        if self._fd < 0:
+        """Copy into the mapped segment (the kernel keeps it if the process dies); the next segment when full."""
+        if self._map is None:
             return
-        view = memoryview(data)
-        while view:
-            view = view[os.write(self._fd, view):]
+        n = len(data)
+        if self._off + n > SEGMENT_BYTES:
+            self._open_segment()
+        self._map[self._off:self._off + n] = data
+        self._off += n
 
     # -- the ledger's background pass --
     def ack(self, ids: list[str]) -> None:
         """Every sink confirmed these records: note it, and delete segments with nothing left to recover."""
         known = [i for i in ids if i in self._seg_of]
+        for k in range(0, len(known), ACK_CHUNK):
+            self._write(_ACK + orjson.dumps(known[k:k + ACK_CHUNK]) + b"]\n")
         if known:
-            self._write(_ACK + orjson.dumps(known) + b"]\n")
             for i in known:
                 self._segments[self._seg_of.pop(i)] -= 1
             self.acked += len(known)
@@ -161,9 +176,9 @@ class Journal:
 
     def close(self) -> None:
         """At a clean stop: delete everything if every record was acknowledged, else keep it for recovery."""
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        if self._map is not None:
+            self._map.close()
+            self._map = None
         if not self._seg_of:
             for seg in list(self._segments):
                 self._path(seg).unlink(missing_ok=True)
@@ -212,7 +227,7 @@ class Journal:
         acked: set[str] = set()
         segs = sorted(self.dir.glob(f"{tag}.*.jsonl"), key=lambda p: int(p.name.rsplit(".", 2)[1]))
         for seg in segs:
-            for line in seg.read_bytes().splitlines():
+            for line in seg.read_bytes().split(b"\0", 1)[0].splitlines():  # rows, then the map's zeros
                 try:
                     row = orjson.loads(line)
                 except orjson.JSONDecodeError:
