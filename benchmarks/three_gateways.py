@@ -151,7 +151,8 @@ def gateway_cfg(tmp: Path, name: str, mock_port: int, prefix: str, variant: str 
         "admission": {"redis_url": REDIS, "redis_prefix": f"{prefix}:adm", "initial_concurrency": 256},
         "cache": {"redis_url": REDIS, "namespace": f"{prefix}:cache", "semantic": {"enabled": False}},
         "scale_out": {"redis_url": REDIS, "prefix": f"{prefix}:fleet"},
-        "ledger": {"jsonl_path": str(tmp / f"{name}.jsonl")},
+        # one journal directory for the trio: a survivor writes a killed gateway's records (docs/reliability.md)
+        "ledger": {"jsonl_path": str(tmp / f"{name}.jsonl"), "journal_dir": str(tmp / "journal")},
     }
     if variant != "scale-out":
         del cfg["scale_out"]

@@ -216,9 +216,10 @@ class LedgerCfg(_Strict):
     journal: bool = Field(True, description="With a sink: journal each finished request as it finishes, so a "
                           "gateway that dies (SIGKILL, OOM) loses no record; another gateway sharing `journal_dir` "
                           "(or this one, restarted) writes them, marked `recovered` (docs/reliability.md).")
-    journal_dir: str | None = Field(None, description="Where the journal lives; default: `.usefulwork-journal` "
-                                    "beside `jsonl_path`, else one directory per Redis stream under the cache dir. "
-                                    "Gateways that share sinks should share it.")
+    journal_dir: str | None = Field(None, description="Where the journal lives; default: one directory per set of "
+                                    "sinks (`.usefulwork-journal/<digest>` beside `jsonl_path`, else under the cache "
+                                    "dir), shared by the gateways that write the same ledger. Gateways with ledgers "
+                                    "of their own that should write each other's records set one directory.")
 
 
 class CostCfg(_Strict):

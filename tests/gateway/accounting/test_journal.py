@@ -167,3 +167,15 @@ async def test_records_dropped_from_a_failing_sinks_memory_stay_in_the_journal(t
     await acc.stop()
     heir = Journal(tmp_path)
     assert len(heir.adopt_orphans()) == 3  # a later gateway writes them
+
+
+def test_gateways_share_a_journal_only_when_they_write_the_same_ledger(tmp_path):
+    from usefulwork.gateway.accounting.journal import default_dir
+
+    a = default_dir(str(tmp_path / "ledger-a.jsonl"), None, "s", tmp_path / "cache")
+    assert a == default_dir(str(tmp_path / "." / "ledger-a.jsonl"), None, "s", tmp_path / "cache")
+    assert a != default_dir(str(tmp_path / "ledger-b.jsonl"), None, "s", tmp_path / "cache")  # side by side
+    assert a.parent == tmp_path / ".usefulwork-journal"
+    r = default_dir(None, "redis://h:6379/0", "usefulwork:ledger", tmp_path / "cache")
+    assert r.parent == tmp_path / "cache" / "journal"
+    assert r != default_dir(None, "redis://h:6379/0", "other", tmp_path / "cache")

@@ -10,8 +10,8 @@ into a shared memory map of the journal file (no system call: the pages are the 
 so the row survives the process, though not the machine), no fsync on the request path. When every sink has confirmed a batch of records, the journal notes their ids
 (an ``ack`` line). What survives a kill is therefore the journal's unacknowledged requests.
 
-Files, in ``ledger.journal_dir`` (default: ``.usefulwork-journal`` beside the JSONL ledger, or one per
-Redis stream under the cache dir): ``<tag>.lock``, held with ``flock`` for the process's life, and
+Files, in ``ledger.journal_dir`` (default: one directory per set of sinks, ``.usefulwork-journal/<digest>``
+beside the JSONL ledger, or under the cache dir for a Redis stream alone): ``<tag>.lock``, held with ``flock`` for the process's life, and
 segments ``<tag>.<n>.jsonl`` (rows, then zeros to the mapped size), a new one every ``ROTATE_S`` or when full; a segment is deleted once its requests and
 every older segment's are acknowledged. A clean stop acknowledges everything and leaves nothing.
 
@@ -62,10 +62,13 @@ _ACK = b'["ack",'
 
 
 def default_dir(jsonl_path: str | None, redis_url: str | None, redis_stream: str, cache_dir: Path) -> Path:
-    """Gateways that share sinks share a journal directory (so one recovers another's records)."""
+    """One directory per set of sinks: gateways writing the same ledger share it (workers, replicas on a
+    host), and never take records meant for another ledger (the loadtest's profiles write theirs side by
+    side). Gateways with ledgers of their own that should cover for each other set one ``journal_dir``."""
+    jsonl = str(Path(jsonl_path).resolve()) if jsonl_path else ""
+    digest = hashlib.sha256(f"{jsonl}\n{redis_url}\n{redis_stream}".encode()).hexdigest()[:16]
     if jsonl_path:
-        return Path(jsonl_path).resolve().parent / ".usefulwork-journal"
-    digest = hashlib.sha256(f"{redis_url}\n{redis_stream}".encode()).hexdigest()[:16]
+        return Path(jsonl).parent / ".usefulwork-journal" / digest
     return cache_dir / "journal" / digest
 
 
