@@ -7,13 +7,16 @@ SIGKILL lost those records: ~290 of the 1,000 a killed gateway had answered at 1
 (docs/benchmarks.md section 12). With a sink configured, each finished request is also appended to
 this journal as it finishes, in the same step of the request's task that wrote its response: a copy
 into a shared memory map of the journal file (no system call: the pages are the kernel's page cache,
-so the row survives the process, though not the machine), no fsync on the request path. When every sink has confirmed a batch of records, the journal notes their ids
-(an ``ack`` line). What survives a kill is therefore the journal's unacknowledged requests.
+so the row survives the process, though not the machine), no fsync on the request path. When every
+sink has confirmed a batch of records, the journal notes their ids (an ``ack`` line). What survives
+a kill is therefore the journal's unacknowledged requests.
 
-Files, in ``ledger.journal_dir`` (default: one directory per set of sinks, ``.usefulwork-journal/<digest>``
-beside the JSONL ledger, or under the cache dir for a Redis stream alone): ``<tag>.lock``, held with ``flock`` for the process's life, and
-segments ``<tag>.<n>.jsonl`` (rows, then zeros to the mapped size), a new one every ``ROTATE_S`` or when full; a segment is deleted once its requests and
-every older segment's are acknowledged. A clean stop acknowledges everything and leaves nothing.
+Files, in ``ledger.journal_dir`` (default: one directory per set of sinks,
+``.usefulwork-journal/<digest>`` beside the JSONL ledger, or under the cache dir for a Redis stream
+alone): ``<tag>.lock``, held with ``flock`` for the process's life, and segments ``<tag>.<n>.jsonl``
+(rows, then zeros to the mapped size), a new one every ``ROTATE_S`` or when full; a segment is
+deleted once its requests and every older segment's are acknowledged. A clean stop acknowledges
+everything and leaves nothing.
 
 Recovery (``adopt_orphans``): a lock file whose ``flock`` can be taken belongs to a dead process. The
 ledger of any gateway sharing the directory takes it (at start, then every ``ADOPT_EVERY_S``),
@@ -113,9 +116,8 @@ class Journal:
         self._segments: dict[int, int] = {}  # segment -> requests not yet acknowledged
         self._seg_of: dict[str, int] = {}  # request id -> its segment
         self._open_segment()
-        self.appended = 0
-        self.acked = 0
-        self.adopted = 0
+        self.acked = 0  # requests acknowledged
+        self.adopted = 0  # requests taken from dead processes
 
     def _path(self, seg: int) -> Path:
         return self.dir / f"{self.tag}.{seg}.jsonl"
