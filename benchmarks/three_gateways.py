@@ -277,7 +277,7 @@ def main() -> int:
             lost = [rid for rid in acked if rid not in ids]
             r = redis.Redis.from_url(REDIS)
             books = {k.decode(): float(v) for k, v in r.hgetall(f"{books_prefix}:fleet:gpu:{{mock}}:books").items()}
-            paid = sum(x["gpu_cost_usd"] or 0.0 for i in range(3) for x in ledger(tmp / f"{tag}gw{i}.jsonl"))
+            paid = sum(x["gpu_cost_usd"] or 0.0 for x in recs)
             return {**res, "signal": signal.Signals(sig).name, "exit_codes": rcs, "acknowledged": len(acked),
                     "acknowledged_by_killed": len(kill_loop.acked[ports[2]]), "lost": len(lost), "lost_sample": lost[:5],
                     "recovered": sum(1 for r in recs if r.get("recovered")),

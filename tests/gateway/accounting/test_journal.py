@@ -110,18 +110,12 @@ class _Flaky:
 
 
 async def test_the_ledger_acknowledges_only_what_every_sink_has_and_a_bad_directory_turns_the_journal_off(tmp_path):
-    from tests.gateway.accounting.test_ledger import T0, Clock, ctx_at, make_cfg
-    from usefulwork.gateway.accounting.costing import PoolMeter
-    from usefulwork.gateway.accounting.ledger import Ledger
-    from usefulwork.upstream.fleet import Fleet
+    from tests.gateway.accounting.test_ledger import T0, Clock, ctx_at, make_accountant
 
-    cfg = make_cfg()
     sink = _Flaky()
 
     def ledger(journal_dir):
-        fleet = Fleet(cfg)
-        meters = {n: PoolMeter(n, p.cfg.usd_per_hour, T0, cfg.cost.interval_s) for n, p in fleet.pools.items()}
-        return Ledger(cfg, fleet, [sink], meters=meters, clock=Clock(T0 + 5), journal_dir=journal_dir)
+        return make_accountant(clock=Clock(T0 + 5), sinks=[sink], journal_dir=journal_dir)[0]
 
     acc = ledger(tmp_path / "j")
     await acc.start()
@@ -145,17 +139,12 @@ async def test_the_ledger_acknowledges_only_what_every_sink_has_and_a_bad_direct
 
 
 async def test_records_dropped_from_a_failing_sinks_memory_stay_in_the_journal(tmp_path, monkeypatch):
-    from tests.gateway.accounting.test_ledger import T0, Clock, ctx_at, make_cfg
+    from tests.gateway.accounting.test_ledger import T0, Clock, ctx_at, make_accountant
     from usefulwork.gateway.accounting import ledger as ledger_mod
-    from usefulwork.gateway.accounting.costing import PoolMeter
-    from usefulwork.upstream.fleet import Fleet
 
     monkeypatch.setattr(ledger_mod, "MAX_BACKLOG", 2)
-    cfg = make_cfg()
-    fleet = Fleet(cfg)
-    meters = {n: PoolMeter(n, p.cfg.usd_per_hour, T0, cfg.cost.interval_s) for n, p in fleet.pools.items()}
     sink = _Flaky()
-    acc = ledger_mod.Ledger(cfg, fleet, [sink], meters=meters, clock=Clock(T0 + 5), journal_dir=tmp_path)
+    acc = make_accountant(clock=Clock(T0 + 5), sinks=[sink], journal_dir=tmp_path)[0]
     await acc.start()
     for i in range(5):
         acc.finish(ctx_at(T0 + i, pool=None, prompt=0, completion=0, outcome="shed", status_code=429))

@@ -56,13 +56,14 @@ def ctx_at(start: float, *, dur: float = 2.0, ttft: float | None = 0.2, pool: st
     return c
 
 
-def make_accountant(cfg=None, clock=None, sinks=None) -> tuple[Ledger, MemorySink, Clock]:
+def make_accountant(cfg=None, clock=None, sinks=None, journal_dir=None) -> tuple[Ledger, MemorySink, Clock]:
     cfg = cfg or make_cfg()
     clock = clock or Clock(T0)
     sink = MemorySink()
     fleet = Fleet(cfg)
     meters = {name: PoolMeter(name, ps.cfg.usd_per_hour, T0, cfg.cost.interval_s) for name, ps in fleet.pools.items()}
-    acc = Ledger(cfg, fleet, sinks if sinks is not None else [sink], meters=meters, clock=clock)
+    acc = Ledger(cfg, fleet, sinks if sinks is not None else [sink], meters=meters, clock=clock,
+                 journal_dir=journal_dir)
     return acc, sink, clock
 
 

@@ -46,6 +46,7 @@ import operator
 import os
 import time
 from pathlib import Path
+
 import orjson
 
 from usefulwork.gateway.context import RequestContext
@@ -116,8 +117,6 @@ class Journal:
         self._segments: dict[int, int] = {}  # segment -> requests not yet acknowledged
         self._seg_of: dict[str, int] = {}  # request id -> its segment
         self._open_segment()
-        self.acked = 0  # requests acknowledged
-        self.adopted = 0  # requests taken from dead processes
 
     def _path(self, seg: int) -> Path:
         return self.dir / f"{self.tag}.{seg}.jsonl"
@@ -159,10 +158,8 @@ class Journal:
         known = [i for i in ids if i in self._seg_of]
         for k in range(0, len(known), ACK_CHUNK):
             self._write(_ACK + orjson.dumps(known[k:k + ACK_CHUNK]) + b"]\n")
-        if known:
-            for i in known:
-                self._segments[self._seg_of.pop(i)] -= 1
-            self.acked += len(known)
+        for i in known:
+            self._segments[self._seg_of.pop(i)] -= 1
         if time.monotonic() - self._opened >= self.rotate_s:
             self._open_segment()
         self._drop_done()
@@ -221,7 +218,6 @@ class Journal:
                 lock.unlink(missing_ok=True)
                 if ctxs:
                     log.warning("ledger journal: recovered %d records of a gateway that died (%s)", len(ctxs), tag)
-                self.adopted += len(ctxs)
                 out.extend(ctxs)
             finally:
                 os.close(fd)
