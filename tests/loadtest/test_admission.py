@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 import httpx
@@ -90,3 +91,68 @@ def test_admission_experiment_is_valid_and_plans_its_cells():
     assert on.sim_overrides["scheduling_policy"] == "priority" and cfg["pools"][0]["scheduling_policy"] == "priority"
     off = next(p for p in exp.profiles if p.name.endswith("admission-off"))
     assert "scheduling_policy" not in gateway_config(exp, off, "http://127.0.0.1:1", 1)["pools"][0]
+
+
+def _launched(load):
+    """(client, planned offset, prompt) of every request an open-loop run sends (the send itself replaced)."""
+    from usefulwork.loadtest import workloads
+    from usefulwork.loadtest.runner import Runner, Target
+
+    wl = workloads.from_spec({"type": "synthetic", "prompt_tokens": 8, "output_tokens": 2})
+    r = Runner(Target("http://gw", "m"), wl, load)
+    out = []
+    r._launch = lambda http, spec, planned, clock0, client=None: out.append((client["name"], planned, spec.prompt))
+    asyncio.run(r._open_loop(None, time.perf_counter()))
+    return out
+
+
+def test_only_clients_sends_those_clients_requests_at_the_times_they_have_in_the_whole_mix():
+    """A baseline cell (``traffic_of``) is the loaded cell's own traffic less the other clients: the same
+    arrival times for the clients it keeps, and prompts of its own (no prefix cache carries over)."""
+    from usefulwork.loadtest import arrivals
+    from usefulwork.loadtest.runner import LoadSpec
+
+    mix = [{"name": "interactive", "weight": 1}, {"name": "batch", "weight": 3}]
+    full = _launched(LoadSpec(arrival=arrivals.Poisson(400.0), duration_s=0.2, clients=mix, seed=5))
+    alone = _launched(LoadSpec(arrival=arrivals.Poisson(400.0), duration_s=0.2, clients=mix, seed=9, schedule_seed=5,
+                               only_clients=["interactive"]))
+    kept = [(c, t) for c, t, _ in full if c == "interactive"]
+    assert len(kept) >= 10 and len(full) > 2 * len(kept)
+    assert [(c, t) for c, t, _ in alone] == kept
+    assert not {p for *_, p in alone} & {p for *_, p in full}
+    # without a schedule seed, another seed is other traffic
+    other = _launched(LoadSpec(arrival=arrivals.Poisson(400.0), duration_s=0.2, clients=mix, seed=9,
+                               only_clients=["interactive"]))
+    assert [(c, t) for c, t, _ in other] != kept
+
+
+def test_traffic_of_takes_the_other_cases_traffic_and_rejects_what_would_contradict_it(tmp_path):
+    import pytest
+    import yaml
+
+    from usefulwork.loadtest.experiment import ExperimentError, load_experiment
+
+    exp = load_experiment("admission")
+    shape = exp.shapes[0]
+    for base, loaded, keep in (("priority-unloaded", "priority-2x", ["interactive"]),
+                               ("fairness-alone", "fairness-4", ["q1", "q2", "q3"])):
+        c, src = exp.case_for(shape, base), exp.case_for(shape, loaded)
+        assert (c.schedule_case, c.only_clients) == (loaded, keep)
+        assert (c.arrival, c.clients, c.duration_s) == (src.arrival, src.clients, src.duration_s)
+    raw = yaml.safe_load(open(exp.source))
+    bad = [({"case": "nope", "clients": ["interactive"]}, "no case 'nope'"),
+           ({"case": "priority-2x", "clients": ["q9"]}, "no client(s) q9"),
+           ({"case": "priority-2x"}, "exactly 'case'"),
+           ({"case": "y", "clients": ["default"]}, "needs an arrival process and clients")]
+    y = {"concurrency": 2, "duration_s": 5, "clients": [{"name": "default"}]}  # closed loop: no arrivals to share
+    for ref, msg in bad:
+        r = dict(raw, cases=dict(raw["cases"], x={"traffic_of": ref, "timeout_s": 60}, y=y))
+        p = tmp_path / "e.yaml"
+        p.write_text(yaml.safe_dump(r))
+        with pytest.raises(ExperimentError, match=re.escape(msg)):
+            load_experiment(str(p)).case_for(shape, "x")
+    r = dict(raw, cases=dict(raw["cases"], x={"traffic_of": {"case": "priority-2x", "clients": ["interactive"]},
+                                               "arrival": {"process": "poisson", "rate": 2.0}}))
+    p.write_text(yaml.safe_dump(r))
+    with pytest.raises(ExperimentError, match="arrival comes from traffic_of"):
+        load_experiment(str(p)).case_for(shape, "x")

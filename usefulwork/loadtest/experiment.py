@@ -91,6 +91,10 @@ class Case:
     clients: list[dict[str, Any]] | None = None  # a client mix (tenants, priorities); runner.LoadSpec
     honor_retry_after: bool = False
     profiles: list[str] | None = None  # run only on these profiles (None: all)
+    # ``traffic_of``: the arrivals and client draws of another case, only these clients' requests sent
+    # (a baseline of the same traffic without the rest; its prompts stay its own)
+    schedule_case: str | None = None
+    only_clients: list[str] | None = None
 
 
 @dataclass
@@ -123,10 +127,13 @@ class Experiment:
         spec = _deep_merge(self.cases[case_name], (shape.get("cases") or {}).get(case_name) or {})
         where = f"{self.source}: shape {shape['name']}: case {case_name}"
         known = {"description", "workload", "arrival", "concurrency", "duration_s", "num_requests", "timeout_s", "drain_s",
-                 "clients", "honor_retry_after", "profiles"}
+                 "clients", "honor_retry_after", "profiles", "traffic_of"}
         extra = set(spec) - known
         if extra:
             raise ExperimentError(f"{where}: unknown field(s) {', '.join(sorted(extra))}")
+        schedule_case, only = None, None
+        if spec.get("traffic_of") is not None:
+            spec, schedule_case, only = self._traffic_of(shape, spec, where)
         wl = dict(spec.get("workload") or {"type": "synthetic"})
         if wl.get("type", "synthetic") == "synthetic":
             wl.setdefault("prompt_tokens", shape.get("prompt_tokens", 512))
@@ -143,7 +150,33 @@ class Experiment:
                     concurrency=spec.get("concurrency"), duration_s=spec.get("duration_s"),
                     num_requests=spec.get("num_requests"), timeout_s=float(spec.get("timeout_s", 60.0)),
                     drain_s=spec.get("drain_s"), clients=spec.get("clients"),
-                    honor_retry_after=bool(spec.get("honor_retry_after", False)), profiles=spec.get("profiles"))
+                    honor_retry_after=bool(spec.get("honor_retry_after", False)), profiles=spec.get("profiles"),
+                    schedule_case=schedule_case, only_clients=only)
+
+    def _traffic_of(self, shape: dict[str, Any], spec: dict[str, Any], where: str) -> tuple[dict[str, Any], str, list[str]]:
+        """``traffic_of: {case: C, clients: [..]}``: case C's arrivals, duration and client mix, of which only
+        the named clients' requests are sent (the same arrival times those clients have in C)."""
+        ref = spec["traffic_of"]
+        if not isinstance(ref, dict) or set(ref) != {"case", "clients"} or not isinstance(ref["clients"], list) \
+                or not ref["clients"]:
+            raise ExperimentError(f"{where}: traffic_of needs exactly 'case' and a non-empty list 'clients'")
+        other = ref["case"]
+        if other not in self.cases:
+            raise ExperimentError(f"{where}: traffic_of: no case {other!r}")
+        src = _deep_merge(self.cases[other], (shape.get("cases") or {}).get(other) or {})
+        if src.get("traffic_of") is not None:
+            raise ExperimentError(f"{where}: traffic_of: case {other!r} takes its traffic from another case itself")
+        for k in ("arrival", "clients", "duration_s", "num_requests", "concurrency"):
+            if k in spec:
+                raise ExperimentError(f"{where}: {k} comes from traffic_of's case {other!r}: do not set it here")
+        if not src.get("arrival") or not src.get("clients"):
+            raise ExperimentError(f"{where}: traffic_of: case {other!r} needs an arrival process and clients")
+        names = [c.get("name") for c in src["clients"]]
+        unknown = [c for c in ref["clients"] if c not in names]
+        if unknown:
+            raise ExperimentError(f"{where}: traffic_of: case {other!r} has no client(s) {', '.join(map(str, unknown))}")
+        merged = {**spec, **{k: src[k] for k in ("arrival", "clients", "duration_s", "num_requests") if k in src}}
+        return merged, other, [str(c) for c in ref["clients"]]
 
 
 def load_experiment(name_or_path: str) -> Experiment:
@@ -513,7 +546,8 @@ def run_cell(exp: Experiment, profile: Profile, shape: dict[str, Any], case: Cas
     load = LoadSpec(arrival=arrivals.from_spec(arr) if arr else None, concurrency=case.concurrency, duration_s=dur,
                     num_requests=case.num_requests, timeout_s=timeout, drain_s=drain,
                     seed=cell_seed(exp.seed, shape["name"], case.name),
-                    clients=case.clients, honor_retry_after=case.honor_retry_after)
+                    schedule_seed=cell_seed(exp.seed, shape["name"], case.schedule_case) if case.schedule_case else None,
+                    clients=case.clients, only_clients=case.only_clients, honor_retry_after=case.honor_retry_after)
     workload = workloads.from_spec(case.workload, Path(exp.source).parent)
     target = Target(url, profile.model or served_name(exp))
     window = StatsWindow(url, s, exp.backend.get("admin_key")) if use_gateway else None

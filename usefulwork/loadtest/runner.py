@@ -44,6 +44,12 @@ class LoadSpec:
     # priority classes by the x-usefulwork-priority header). None: one client (the target's key).
     clients: list[dict[str, Any]] | None = None
     honor_retry_after: bool = False  # wait out a 429's Retry-After and retry (client.send)
+    # The arrivals and client draws come from this seed (None: ``seed``), and only requests drawn for
+    # ``only_clients`` are sent: the same traffic as a run of the whole mix with that seed, less the
+    # other clients' requests, while the prompts still come from ``seed`` (a backend's prefix cache
+    # holds nothing of the other run's prompts).
+    schedule_seed: int | None = None
+    only_clients: list[str] | None = None
 
     def validate(self, timed_workload: bool) -> None:
         if self.arrival is None and self.concurrency is None and not timed_workload:
@@ -56,6 +62,12 @@ class LoadSpec:
             raise LoadError("stop by duration or by request count: give duration_s or num_requests")
         if self.timeout_s <= 0:
             raise LoadError("timeout must be > 0")
+        if self.only_clients is not None and (self.arrival is None or not self.clients):
+            raise LoadError("only_clients needs an open-loop arrival process and a client mix")
+
+    @property
+    def traffic_seed(self) -> int:
+        return self.seed if self.schedule_seed is None else self.schedule_seed
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -69,6 +81,8 @@ class LoadSpec:
             "seed": self.seed,
             "clients": [{k: v for k, v in c.items() if k != "api_key"} for c in self.clients] if self.clients else None,
             "honor_retry_after": self.honor_retry_after,
+            **({"schedule_seed": self.schedule_seed} if self.schedule_seed is not None else {}),
+            **({"only_clients": self.only_clients} if self.only_clients is not None else {}),
         }
 
 
@@ -125,7 +139,7 @@ def _plan(workload: Workload, load: LoadSpec, rng: np.random.Generator) -> Itera
         pairs: Iterator[tuple[RequestSpec, float]] = ((s, float(s.at or 0.0)) for s in specs)
     else:
         assert load.arrival is not None
-        arrival_rng = np.random.default_rng(load.seed + 7919)  # arrivals independent of prompt draws
+        arrival_rng = np.random.default_rng(load.traffic_seed + 7919)  # arrivals independent of prompt draws
         pairs = zip(specs, load.arrival.offsets(arrival_rng))
     for i, (spec, t) in enumerate(pairs):
         if load.num_requests is not None and i >= load.num_requests:
@@ -145,7 +159,7 @@ class Runner:
         self.counters = Counters()
         self.results: list[RequestResult] = []
         self._tasks: set[asyncio.Task] = set()
-        self._mix_rng = np.random.default_rng(load.seed + 104729)  # client draws independent of the rest
+        self._mix_rng = np.random.default_rng(load.traffic_seed + 104729)  # client draws independent of the rest
         if load.clients:
             w = np.array([float(c.get("weight", 1.0)) for c in load.clients])
             self._mix_p = w / w.sum()
@@ -166,14 +180,20 @@ class Runner:
         else:
             c.dropped += 1
 
-    def _launch(self, http, spec: RequestSpec, planned: float, clock0: float) -> asyncio.Task:
+    def _draw_client(self) -> dict[str, Any] | None:
+        if not self.load.clients:
+            return None
+        return self.load.clients[int(self._mix_rng.choice(len(self.load.clients), p=self._mix_p))]
+
+    def _launch(self, http, spec: RequestSpec, planned: float, clock0: float,
+                client: dict[str, Any] | None = None) -> asyncio.Task:
         c = self.counters
         c.sent += 1
         c.in_flight += 1
         c.recent_sends.append(time.perf_counter())
         api_key, headers, group = self.target.api_key, None, ""
         if self.load.clients:
-            c = self.load.clients[int(self._mix_rng.choice(len(self.load.clients), p=self._mix_p))]
+            c = client or self._draw_client()
             api_key = c.get("api_key", api_key)
             group = c.get("name", "")
             headers = {"x-usefulwork-priority": c["priority"]} if c.get("priority") else None
@@ -187,11 +207,15 @@ class Runner:
 
     async def _open_loop(self, http, clock0: float) -> None:
         rng = np.random.default_rng(self.load.seed)
+        only = self.load.only_clients
         for spec, planned in _plan(self.workload, self.load, rng):
+            client = self._draw_client()  # drawn in arrival order, sent or not: the same draws as the whole mix
+            if only is not None and client.get("name") not in only:
+                continue
             delay = clock0 + planned - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            self._launch(http, spec, planned, clock0)
+            self._launch(http, spec, planned, clock0, client)
 
     async def _closed_loop(self, http, clock0: float) -> None:
         rng = np.random.default_rng(self.load.seed)
