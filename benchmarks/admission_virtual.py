@@ -14,6 +14,14 @@ that met the SLO (10-13 req/s).
 
     python benchmarks/admission_virtual.py                          # the shipped defaults
     python benchmarks/admission_virtual.py --rule tail:0.75 --rule tail:0.9 --rule mean:0.7
+    python benchmarks/admission_virtual.py --classes --seeds 1-6    # the priority and fairness cells
+
+``--classes`` runs the experiment's priority cell (24 req/s, one interactive request for three batch ones)
+and fairness cell (four equal-weight tenants, one sending 30x) on the same clock
+(usefulwork/loadtest/admission_clock.py), per seed, with the shipped settings and with the low-band
+prefill gate off (``low_band_prefills: 0``): interactive TTFT p99 against the same interactive arrivals
+alone, the engine's output tokens/s against admission off, each quiet tenant's TTFT p99 against its
+arrivals alone.
 
 ``mean:F`` judges the limit on the running means under F x SLO (the rule before 2026-11-22);
 ``tail:F`` on the p95 of the recent window under F x SLO (the shipped rule; F = target_fraction).
@@ -33,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import usefulwork.loadtest.autoscale as autoscale  # noqa: E402
 from usefulwork.gateway.admission import capacity as capacity_mod  # noqa: E402
 from usefulwork.gateway.admission.config import AdmissionCfg  # noqa: E402
+from usefulwork.loadtest import admission_clock  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -91,11 +100,48 @@ def _no_tail(self, xs):  # noqa: ANN001
     return None
 
 
+def _seeds(spec: str) -> list[int]:
+    lo, _, hi = spec.partition("-")
+    return list(range(int(lo), int(hi or lo) + 1))
+
+
+def classes(seeds: list[int]) -> dict[str, Any]:
+    """The priority and fairness cells per seed, shipped settings vs the low-band gate off."""
+    variants = {"shipped": AdmissionCfg(), "gate-off": AdmissionCfg(low_band_prefills=0)}
+    data: dict[str, Any] = {}
+    for name, cfg in variants.items():
+        data[name] = {seed: {"priority": admission_clock.priority_cell(seed, cfg),
+                             "fairness": admission_clock.fairness_cell(seed, cfg)} for seed in seeds}
+    print("| seed | variant | interactive TTFT p99 / alone (s) | ratio | tokens/s vs off | quiet TTFT p99 / alone (ratio) |")
+    print("|---|---|---|---|---|---|")
+    for seed in seeds:
+        for name in variants:
+            p, f = data[name][seed]["priority"], data[name][seed]["fairness"]
+            quiet = ", ".join(f"{v['p99_s']:.3f} / {v['alone_p99_s']:.3f} ({v['ratio']:.2f}x)" for v in f["quiet"].values())
+            print(f"| {seed} | {name} | {p['interactive_p99_s']:.3f} / {p['alone_p99_s']:.3f} | {p['ratio']:.2f}x | "
+                  f"{p['tokens_per_s']:.0f} / {p['off_tokens_per_s']:.0f} ({p['throughput_ratio']:.3f}) | {quiet} |")
+    for name in variants:
+        rows = list(data[name].values())
+        met_p = sum(1 for r in rows if r["priority"]["ratio"] <= 1.2)
+        met_t = sum(1 for r in rows if r["priority"]["throughput_ratio"] >= 0.95)
+        met_f = sum(1 for r in rows if r["fairness"]["worst_ratio"] <= 1.2)
+        print(f"{name}: interactive <= 1.2x in {met_p}/{len(rows)} seeds, throughput >= 95% in {met_t}/{len(rows)}, "
+              f"every quiet tenant <= 1.2x in {met_f}/{len(rows)}")
+    return data
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rule", action="append", default=None, help="mean:F or tail:F (default: the shipped tail rule)")
     ap.add_argument("--json", type=Path, default=None, help="write the figures here")
+    ap.add_argument("--classes", action="store_true", help="the priority and fairness cells instead of bursts and steady load")
+    ap.add_argument("--seeds", default="1-6", help="with --classes: seeds, e.g. 1-6")
     args = ap.parse_args()
+    if args.classes:
+        data = classes(_seeds(args.seeds))
+        if args.json:
+            args.json.write_text(json.dumps(data, indent=1))
+        return 0
     rules = args.rule or [f"tail:{AdmissionCfg().target_fraction:g}"]
     days = workloads()
     data: dict[str, Any] = {"off": {name: run(day, None) for name, day in days.items()}}

@@ -40,6 +40,12 @@ class AdmissionCfg(BaseModel):
                                    "tenant finds a slot at once while a heavy one keeps the pool full (0: off).")
     tenant_active_s: float = Field(30.0, gt=0, description="A tenant counts toward the fair shares for this long after "
                                    "its last request.")
+    low_band_prefills: int = Field(1, ge=0, description="On a pool whose replicas schedule by priority: while top-band "
+                                   "work (interactive, of a tenant within its fair share) was offered in the last "
+                                   "tenant_active_s, low-band work (batch and sheddable, or a tenant over its fair share) "
+                                   "keeps at most this many prompts per replica pending in vLLM (sent, no first token "
+                                   "yet), so an interactive prompt does not share its engine step with a full token "
+                                   "budget of theirs (0: off).")
     max_queue: int = Field(4096, ge=0, description="Queued requests per pool beyond which new ones are shed.")
     retry_return_prior: float = Field(0.5, ge=0, le=1, description="Share of a tenant's shed requests assumed to come "
                                       "back at their Retry-After before any of its held places has ended (counted as one "

@@ -144,6 +144,7 @@ class AdmissionFilter:
                                               reserve_fraction=self.cfg.reserve_fraction,
                                               tenant_headroom=self.cfg.tenant_headroom,
                                               tenant_active_s=self.cfg.tenant_active_s,
+                                              low_band_prefills=self.cfg.low_band_prefills,
                                               max_queue=self.cfg.max_queue, e2e_slo_s=self.slo.e2e_ms / 1000.0,
                                               return_prior=self.cfg.retry_return_prior)
         return q

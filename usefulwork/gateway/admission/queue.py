@@ -90,6 +90,7 @@ class Ticket:
     stream: bool = True  # its first token is seen (``first_token``); a unary answer's is not
     prefilling: bool = False  # admitted, first token not seen yet: holds a prefill place
     prefill_ahead: float = 0.0  # prefills pending per replica ahead of it when admitted
+    low_band: bool = False  # admitted below the top band (a lower class, or its tenant over its share)
 
     @property
     def priority(self) -> str:
@@ -121,6 +122,7 @@ class PoolQueue:
     e2e_slo_s: float | None = None
     tenant_headroom: float = 0.0  # share of the SLO limit a tenant over its fair share leaves free (0: off)
     tenant_active_s: float = 30.0  # a tenant counts toward the fair shares this long after its last request
+    low_band_prefills: int = 0  # per replica, under priority scheduling while top-band work is about (0: off)
     inflight: int = 0
     inflight_cls: list[int] = field(default_factory=lambda: [0 for _ in PRIORITIES])
     running: set[Ticket] = field(default_factory=set)  # admitted, not yet released
@@ -141,6 +143,9 @@ class PoolQueue:
     last_seen: dict[str, float] = field(default_factory=dict)  # tenant -> its last request's arrival
     pending: int = 0  # prefills admitted and not yet answered (first token not seen), all classes
     pending_inter: int = 0  # of those, interactive
+    pending_low: int = 0  # of those, low band (``Ticket.low_band``)
+    pending_top: int = 0  # the others: interactive, of a tenant within its share when admitted
+    _top_seen: float = -math.inf  # the last offer of top-band work (interactive, its tenant within its share)
     _prefill_due: list = field(default_factory=list)  # heap of (when a unary prefill is deemed done, seq, ticket)
     _seq: Any = field(default_factory=itertools.count)
     _now: float = 0.0  # the time of the call in progress (every entry point takes ``now``)
@@ -151,29 +156,55 @@ class PoolQueue:
         """Places a ticket of class ``cls`` (of ``tenant``) may take now: a slot, and a prefill place
         where the prefill gate counts its class."""
         slots = self.slot_free(cls, tenant)
-        prefill = self.prefill_free(cls)
-        return slots if prefill is None else min(slots, prefill)
+        prefill = self.prefill_free(cls, tenant)
+        n = slots if prefill is None else min(slots, prefill)
+        low = self.low_band_free(cls, tenant)
+        return n if low is None else min(n, low)
 
-    def prefill_pending(self, cls: int) -> int | None:
-        """Pending prefills that delay a first token of class ``cls`` (None: its class is not gated).
-        Under vLLM's priority scheduling an interactive prefill overtakes waiting lower-class ones, so only
-        interactive ones count for it, and lower classes are not gated (they wait inside vLLM by design);
-        under first-come-first-served every pending prefill delays every later one."""
-        if self.capacity.priority_scheduling:
-            return self.pending_inter if cls == 0 else None
-        return self.pending
+    def low_band(self, cls: int, tenant: str | None) -> bool:
+        """Below the top band: a lower class, or a tenant already holding its fair share while others are active."""
+        return cls > 0 or (tenant is not None and bool(self.tenant_headroom)
+                           and self.share_state(tenant, self.capacity.current()) == 1)
 
-    def prefill_gate(self, cls: int) -> tuple[int, int] | None:
-        """(pending prefills, prefill places) that gate class ``cls`` now (None: no gate for it)."""
-        pending = self.prefill_pending(cls)
+    def low_band_free(self, cls: int, tenant: str | None = None) -> int | None:
+        """Prefill places free for low-band work (None: not gated). Under vLLM's priority scheduling a waiting
+        interactive prompt overtakes waiting batch prompts, but not the ones already in the step it waits for,
+        nor those that share its own step's token budget (2,048 tokens: four 512-token prompts make a
+        ~190 ms step on the simulated A100 where one makes ~55 ms). So while top-band work has been offered
+        in the last ``tenant_active_s``, low-band work keeps at most ``low_band_prefills`` prompts per replica
+        pending in vLLM; the rest waits in the gateway's queue, where it does not delay anyone. Decode slots
+        are not limited by this: batch work still fills the pool."""
+        if (not self.low_band_prefills or not self.capacity.priority_scheduling
+                or not self._now - self._top_seen < self.tenant_active_s or not self.low_band(cls, tenant)):
+            return None
+        return self.low_band_prefills * self.capacity.count() - self.pending_low
+
+    def prefill_pending(self, cls: int, tenant: str | None = None) -> int | None:
+        """Pending prefills that delay a first token of class ``cls`` (of ``tenant``; None: not gated).
+        Under vLLM's priority scheduling an interactive prefill overtakes waiting lower-class ones, and one
+        of a tenant within its share (vLLM priority 0) those of a tenant over it (1): so top-band prompts
+        count only each other, an over-share tenant's interactive ones count every interactive prompt,
+        and lower classes are not gated here (they wait inside vLLM by design; ``low_band_free`` keeps
+        them from filling the steps). Under first-come-first-served every pending prefill delays every
+        later one. (Counting the heavy tenant's prompts against a quiet tenant's held the quiet one in the
+        gateway's queue for up to 0.4 s at 2x overload on the virtual clock.)"""
+        if not self.capacity.priority_scheduling:
+            return self.pending
+        if cls != 0:
+            return None
+        return self.pending_inter if tenant is not None and self.low_band(0, tenant) else self.pending_top
+
+    def prefill_gate(self, cls: int, tenant: str | None = None) -> tuple[int, int] | None:
+        """(pending prefills, prefill places) that gate class ``cls`` (of ``tenant``) now (None: no gate for it)."""
+        pending = self.prefill_pending(cls, tenant)
         if pending is None:
             return None
         places = self.capacity.prefill_places()
         return None if places is None else (pending, places)
 
-    def prefill_free(self, cls: int) -> int | None:
-        """Prefill places free for class ``cls`` (None: no gate for it)."""
-        gate = self.prefill_gate(cls)
+    def prefill_free(self, cls: int, tenant: str | None = None) -> int | None:
+        """Prefill places free for class ``cls`` (of ``tenant``; None: no gate for it)."""
+        gate = self.prefill_gate(cls, tenant)
         return None if gate is None else gate[1] - gate[0]
 
     def slot_free(self, cls: int, tenant: str | None = None) -> int:
@@ -244,8 +275,11 @@ class PoolQueue:
 
     def _place_wait(self, ahead: int, t: Ticket, now: float) -> float | None:
         """Seconds until the ``ahead``-th place (its own included) a ticket like ``t`` could take frees."""
-        prefill = self.prefill_free(t.cls)
+        prefill = self.prefill_free(t.cls, t.tenant)
         wait = 0.0 if prefill is None or ahead <= prefill else self.capacity.prefill_wait(ahead - prefill)
+        low = self.low_band_free(t.cls, t.tenant)
+        if low is not None and ahead > low:  # low-band prompts go one after another: each a prefill's time
+            wait = max(wait, self.capacity.prefill_wait((ahead - low) / self.low_band_prefills))
         free = max(0, self.slot_free(t.cls, t.tenant))
         position = ahead - free
         if position <= 0:
@@ -273,7 +307,7 @@ class PoolQueue:
 
     def ttft_budget(self, t: Ticket, now: float) -> float:
         """How long ``t`` may wait and still meet its TTFT deadline (the E2E SLO aside)."""
-        return t.deadline - now - self.est_ttft(t.cls)
+        return t.deadline - now - self.est_ttft(t.cls, t.tenant)
 
     def budget(self, t: Ticket, now: float) -> float:
         """How long ``t`` may wait and still meet its TTFT deadline and the E2E SLO."""
@@ -282,13 +316,13 @@ class PoolQueue:
             b = min(b, t.arrival + self.e2e_slo_s - now - self.capacity.est_e2e(t.max_tokens))
         return b
 
-    def est_ttft(self, cls: int) -> float:
+    def est_ttft(self, cls: int, tenant: str | None = None) -> float:
         """Service TTFT a ticket of class ``cls`` dispatched now should budget for: the measured one
         (``Capacity.est_ttft``), or, where the prefill gate counts its class, the prefills it would
         find pending (at most the gate's places less its own) plus its own, if that is longer. (The
         measured TTFT comes with answers that end; a burst fills the pending prefills seconds sooner.)"""
         est = self.capacity.est_ttft()
-        gate = self.prefill_gate(cls)
+        gate = self.prefill_gate(cls, tenant)
         if gate is None:
             return est
         pending, places = gate
@@ -302,13 +336,19 @@ class PoolQueue:
         if self.last_seen.get(t.tenant) is None:
             self._active = (math.nan, 0.0)  # a new active tenant: the shares change
         self.last_seen[t.tenant] = now
+        if t.cls == 0 and self.low_band_prefills and self.capacity.priority_scheduling and not self.low_band(0, t.tenant):
+            self._top_seen = now
         held = self._take_reservation(t.key, now)
         if held is not None:
             t.since = held[1]
         budget = self.budget(t, now)
         # A returning request is behind only the places promised before its own; a new one is behind
-        # every place that falls due within its budget.
-        reserved = round(self._reserved_until(held[0] if held is not None else now + max(0.0, budget)))
+        # every place that falls due within its budget. A tenant under its fair share (others active) is
+        # behind only its own: it may use the headroom the others leave, and the heavy tenant's promised
+        # retries held the quiet tenants' requests in the queue for up to 0.6 s at 2x overload.
+        mine = (t.tenant if self.reservations and self.tenant_headroom
+                and self.share_state(t.tenant, self.capacity.current()) == -1 else None)
+        reserved = round(self._reserved_until(held[0] if held is not None else now + max(0.0, budget), mine))
         wait = self.predict_wait(t, now, reserved)
         if wait == 0.0 and self.ahead_of(t) == 0:
             self._admit(t, now)
@@ -427,13 +467,16 @@ class PoolQueue:
         self._learn_return(tenant, True)
         return at, since
 
-    def _reserved_until(self, until: float) -> float:
-        """Places held for retries due before ``until``, each weighted by its tenant's return rate."""
+    def _reserved_until(self, until: float, tenant: str | None = None) -> float:
+        """Places held for retries due before ``until`` (only ``tenant``'s, if given), each weighted by its
+        tenant's return rate."""
         n = 0.0
         for at, key in self.reservations:
             if at >= until:
                 break
-            n += self.return_rate(self._held[key][1])
+            holder = self._held[key][1]
+            if tenant is None or holder == tenant:
+                n += self.return_rate(holder)
         return n
 
     # -- queue mechanics --
@@ -479,7 +522,8 @@ class PoolQueue:
 
     def _pop_next(self) -> Ticket | None:
         for cls, cls_q in enumerate(self.queues):
-            if not cls_q or self.free(cls) <= 0:
+            # (with tenant headroom, a tenant under its share may go beyond the limit: look per tenant)
+            if not cls_q or (not self.tenant_headroom and self.free(cls) <= 0):
                 continue
             # The least-served tenant goes next; on a tie (a tenant just lifted level with the backlog),
             # the shorter backlog: a quiet tenant does not wait behind a heavy one's queue. A tenant over
@@ -512,7 +556,7 @@ class PoolQueue:
         """The last dispatch time at which ``t`` still expects to meet its deadline and, for a class
         whose deadline is within the E2E SLO, the E2E SLO with the full pool's service time (a start
         that makes the TTFT deadline can still finish late: those were most of a burst's late answers)."""
-        latest = t.deadline - self.est_ttft(t.cls)
+        latest = t.deadline - self.est_ttft(t.cls, t.tenant)
         if self.e2e_slo_s is not None and t.deadline - t.arrival <= self.e2e_slo_s:
             latest = min(latest, t.arrival + self.e2e_slo_s - self.capacity.est_e2e(t.max_tokens))
         return latest
@@ -533,8 +577,11 @@ class PoolQueue:
 
     def _overshoot_ok(self, t: Ticket) -> bool:
         cap = self.capacity
-        gate = self.prefill_gate(t.cls)
+        gate = self.prefill_gate(t.cls, t.tenant)
         if gate is not None and gate[0] >= int(gate[1] * OVERSHOOT):
+            return False
+        low = self.low_band_free(t.cls, t.tenant)
+        if low is not None and low <= 0:  # (admitted past it, an over-share tenant's prompts filled the steps again)
             return False
         fill = int(cap.fill() * OVERSHOOT)
         if t.cls == 0:
@@ -595,11 +642,22 @@ class PoolQueue:
 
     # -- prefill places --
     def _start_prefill(self, t: Ticket, now: float) -> None:
-        t.prefill_ahead = self.prefill_pending(0) / self.capacity.count()  # (what an interactive prefill waits behind)
+        t.low_band = t.cls > 0 or t.over_share
+        top = not t.low_band
+        # the prompts it waits behind (``prefill_pending``): the prefill limit learns per prompt ahead
+        if not self.capacity.priority_scheduling:
+            ahead = self.pending
+        else:
+            ahead = self.pending_top if top else self.pending_inter
+        t.prefill_ahead = ahead / self.capacity.count()
         t.prefilling = True
         self.pending += 1
         if t.cls == 0:
             self.pending_inter += 1
+        if top:
+            self.pending_top += 1
+        else:
+            self.pending_low += 1
         if not t.stream:
             # A unary answer's first token is not seen: its place is deemed free once the prefills ahead
             # and its own should have been answered (or when it ends, if sooner).
@@ -612,6 +670,10 @@ class PoolQueue:
         self.pending -= 1
         if t.cls == 0:
             self.pending_inter -= 1
+        if t.low_band:
+            self.pending_low -= 1
+        else:
+            self.pending_top -= 1
 
     def _prefills_due(self, now: float) -> None:
         due = self._prefill_due
@@ -630,7 +692,7 @@ class PoolQueue:
         if not t.prefilling or t.state != "admitted":
             return []
         self._end_prefill(t)
-        if self.prefill_pending(t.cls) is not None:  # (a class the gate counts)
+        if self.prefill_pending(t.cls, t.tenant) is not None:  # (a class the gate counts)
             self.capacity.observe_first_token(now - t.admitted_at, t.prefill_ahead, t.inflight_at_admit)
         return self.pump(now) if self.queued else []
 
@@ -643,7 +705,7 @@ class PoolQueue:
 
     def stats(self) -> dict[str, Any]:
         return {"inflight": self.inflight, "inflight_by_class": dict(zip(PRIORITIES, self.inflight_cls)), "queued": self.depth(), "admitted": self.admitted_total,
-                "prefill_pending": self.pending,
+                "prefill_pending": self.pending, "prefill_pending_low_band": self.pending_low,
                 "retry_reservations": len(self.reservations), "retries_honoured": self.retries_honoured,
                 "retry_return_rate": {k: round(self.return_rate(k), 3) for k in self.returns},
                 "shed": dict(self.shed_total), "capacity": self.capacity.stats(),

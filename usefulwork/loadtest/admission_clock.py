@@ -1,0 +1,193 @@
+"""The admission experiment's priority and fairness cells on the simulated engine's virtual clock.
+
+The admission filter's own ``PoolQueue`` and ``Capacity`` in front of one ``SimEngine`` (a simulated
+A100-80G serving Llama-3.1-8B, 512 prompt / 128 output tokens, vLLM's V1 scheduler), driven event by
+event: no HTTP and no wall clock, so a slow or busy host cannot move these figures (the wall-clock
+experiment, ``usefulwork loadtest --experiment admission``, relays every token through a real gateway
+and needs a host that keeps up with it). ``benchmarks/admission_virtual.py --cells priority,fairness``
+prints them; a test holds the low-band prefill gate to them.
+
+A cell is a list of arrivals, each of a client (a tenant and a class). A baseline is the same arrivals
+less the other clients' (the wall-clock experiment's ``traffic_of``). Before a cell, the queue is warmed
+as the experiment's earlier cells warm it: 30 s of steady traffic under capacity from the cell's first
+client's tenant, then a 5 s pause.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from usefulwork.backends.sim.catalog import build_spec
+from usefulwork.backends.sim.engine import SimEngine
+from usefulwork.gateway.admission.capacity import Capacity, Sample
+from usefulwork.gateway.admission.config import AdmissionCfg
+from usefulwork.gateway.admission.queue import PoolQueue, Ticket
+
+SLO = (2.0, 0.1, 5.0)  # TTFT, TPOT, E2E seconds: the experiment's
+PROMPT, OUTPUT = 512, 128
+BATCH_DEADLINE_S = 60.0  # admission's default deadline for the batch class
+WARM_S, PAUSE_S, WARM_RATE = 30.0, 5.0, 8.0
+
+
+@dataclass(frozen=True)
+class Client:
+    name: str
+    tenant: str
+    cls: int  # 0 interactive, 1 batch
+    weight: float = 1.0
+
+
+PRIORITY_MIX = (Client("interactive", "default", 0, 1.0), Client("batch", "default", 1, 3.0))
+FAIRNESS_MIX = (Client("heavy", "heavy", 0, 30.0), Client("q1", "q1", 0, 1.0), Client("q2", "q2", 0, 1.0),
+                Client("q3", "q3", 0, 1.0))
+
+
+def arrivals(mix: tuple[Client, ...], rate: float, duration_s: float, seed: int) -> list[tuple[float, Client]]:
+    """Poisson arrivals, each drawn to a client by weight."""
+    rng = random.Random(seed)
+    weights = [c.weight for c in mix]
+    out, t = [], 0.0
+    while (t := t + rng.expovariate(rate)) < duration_s:
+        out.append((t, rng.choices(mix, weights=weights)[0]))
+    return out
+
+
+def only(cell: list[tuple[float, Client]], names: set[str]) -> list[tuple[float, Client]]:
+    return [(t, c) for t, c in cell if c.name in names]
+
+
+@dataclass
+class Result:
+    ttft: dict[str, list[float]] = field(default_factory=dict)  # client -> TTFT from arrival of each served request
+    waited: dict[str, list[float]] = field(default_factory=dict)  # client -> of that, the wait in the gateway's queue
+    served: dict[str, int] = field(default_factory=dict)
+    shed: dict[str, int] = field(default_factory=dict)
+    tokens_per_s: float = 0.0  # output tokens the engine generated per second, from 5 s into the cell to its end
+
+    def p99(self, client: str) -> float | None:
+        xs = self.ttft.get(client)
+        return float(np.percentile(xs, 99)) if xs else None
+
+
+def run(cell: list[tuple[float, Client]], admission: AdmissionCfg | None, duration_s: float,
+        scheduling_policy: str = "priority") -> Result:
+    """Serve ``cell`` (offsets from its start) behind admission (None: every request forwarded at once)."""
+    eng = SimEngine(build_spec(gpu="A100-80G", model="Llama-3.1-8B", overrides={"scheduling_policy": scheduling_policy}))
+    q = None
+    if admission is not None:
+        cap = Capacity(admission, *SLO, replica_count=lambda: 1, priority_scheduling=scheduling_policy == "priority")
+        q = PoolQueue("p", cap, reserve_fraction=admission.reserve_fraction, tenant_headroom=admission.tenant_headroom,
+                      tenant_active_s=admission.tenant_active_s, low_band_prefills=admission.low_band_prefills,
+                      max_queue=admission.max_queue, e2e_slo_s=SLO[2])
+    t0 = 0.0
+    timeline: list[tuple[float, Client, bool]] = []  # (time, client, measured)
+    if q is not None and cell:
+        warm = Client("warm", cell[0][1].tenant, 0)
+        timeline += [(t, warm, False) for t, _ in arrivals((warm,), WARM_RATE, WARM_S, seed=7)]
+        t0 = WARM_S + PAUSE_S
+    timeline += [(t0 + t, c, True) for t, c in cell]
+    res = Result()
+    of: dict[Any, tuple[Ticket, Client, bool]] = {}  # engine request -> its ticket, client, measured
+    ids = itertools.count()  # every prompt starts with a token of its own: no prefix-cache hits
+    now, plan, plan_end, i, tokens = 0.0, None, math.inf, 0, 0
+    while True:
+        t_arrive = timeline[i][0] if i < len(timeline) else math.inf
+        t_queue = (q.next_deadline() or math.inf) if q is not None and q.queued else math.inf
+        now = min(t_arrive, plan_end, t_queue)
+        if now == math.inf:
+            break
+        woken: list[Ticket] = []
+        if now == t_arrive:
+            _, client, measured = timeline[i]
+            i += 1
+            deadline = SLO[0] if client.cls == 0 else BATCH_DEADLINE_S
+            tk = Ticket(client.tenant, client.cls, float(PROMPT + OUTPUT), now, now + deadline, max_tokens=OUTPUT)
+            tk.waiter = (client, measured)
+            if q is None:
+                tk.state, tk.admitted_at = "admitted", now
+                woken = [tk]
+            else:
+                d = q.offer(tk, now)
+                woken = ([tk] if d.kind == "admit" else []) + d.woken
+                if d.kind == "shed" and measured:
+                    res.shed[client.name] = res.shed.get(client.name, 0) + 1
+        elif now == t_queue:
+            woken = q.expire(now)
+        elif plan is None:  # a request left the API front-end: plan below
+            plan_end = math.inf
+        else:
+            done, plan, plan_end = plan, None, math.inf
+            eng.complete_step(done, now)
+            for it in done.items:
+                r = it.req
+                tk, client, measured = of[r]
+                tokens += t0 + 5.0 <= now <= t0 + duration_s
+                if r.num_output_tokens == 1:
+                    if measured:
+                        res.ttft.setdefault(client.name, []).append(now - tk.arrival)
+                        res.waited.setdefault(client.name, []).append(tk.admitted_at - tk.arrival)
+                    if q is not None:
+                        woken += q.first_token(tk, now)
+                if r.finish_time is not None:
+                    del of[r]
+                    if measured:
+                        res.served[client.name] = res.served.get(client.name, 0) + 1
+                    if q is not None:
+                        n = r.num_output_tokens
+                        s = Sample(ttft=r.first_token_time - tk.admitted_at,
+                                   tpot=(r.finish_time - r.first_token_time) / (n - 1) if n > 1 else None,
+                                   service=now - tk.admitted_at, tokens=PROMPT + n, ok=True,
+                                   inflight_at_admit=tk.inflight_at_admit, cls=tk.cls)
+                        woken += q.release(tk, now, s, PROMPT + n)
+        for tk in woken:
+            if tk.state == "admitted":
+                r = eng.add_request([1000 + next(ids), *range(1001, 1000 + PROMPT)], OUTPUT, ignore_eos=True,
+                                    arrival_time=now, priority=tk.engine_priority if q is not None else 2 * tk.cls)
+                of[r] = (tk, *tk.waiter)
+            elif tk.state == "shed":  # at its latest start, or overtaken
+                client, measured = tk.waiter
+                if measured:
+                    res.shed[client.name] = res.shed.get(client.name, 0) + 1
+        if plan is None:
+            eng.now = max(eng.now, now)
+            planned = eng.plan_step()
+            if planned is not None:
+                plan, secs = planned
+                plan_end = now + secs
+            else:  # requests still in the API front-end: the engine looks again when the first is ready
+                plan_end = eng.next_ready_time() or math.inf
+    res.tokens_per_s = tokens / max(1e-9, duration_s - 5.0)
+    return res
+
+
+def priority_cell(seed: int, cfg: AdmissionCfg, rate: float = 24.0, duration_s: float = 30.0) -> dict[str, Any]:
+    """Interactive TTFT p99 at 2x overload against the same interactive arrivals alone, and the engine's
+    output tokens/s against admission off (FCFS, every request forwarded: the off profile)."""
+    cell = arrivals(PRIORITY_MIX, rate, duration_s, seed)
+    loaded = run(cell, cfg, duration_s)
+    alone = run(only(cell, {"interactive"}), cfg, duration_s)
+    off = run(cell, None, duration_s, scheduling_policy="fcfs")
+    p, b = loaded.p99("interactive"), alone.p99("interactive")
+    return {"interactive_p99_s": p, "alone_p99_s": b, "ratio": p / b if p and b else None,
+            "tokens_per_s": loaded.tokens_per_s, "off_tokens_per_s": off.tokens_per_s,
+            "throughput_ratio": loaded.tokens_per_s / off.tokens_per_s if off.tokens_per_s else None,
+            "shed": loaded.shed}
+
+
+def fairness_cell(seed: int, cfg: AdmissionCfg, rate: float = 24.0, duration_s: float = 30.0) -> dict[str, Any]:
+    """Each quiet tenant's TTFT p99 with the heavy one sending 30x, against the same arrivals alone."""
+    cell = arrivals(FAIRNESS_MIX, rate, duration_s, seed)
+    quiet = {"q1", "q2", "q3"}
+    loaded = run(cell, cfg, duration_s)
+    alone = run(only(cell, quiet), cfg, duration_s)
+    out = {}
+    for q in sorted(quiet):
+        p, b = loaded.p99(q), alone.p99(q)
+        out[q] = {"p99_s": p, "alone_p99_s": b, "ratio": p / b if p and b else None}
+    return {"quiet": out, "worst_ratio": max((v["ratio"] or math.inf) for v in out.values()), "shed": loaded.shed}
