@@ -148,7 +148,7 @@ def run(cell: list[tuple[float, Client]], admission: AdmissionCfg | None, durati
         for tk in woken:
             if tk.state == "admitted":
                 r = eng.add_request([1000 + next(ids), *range(1001, 1000 + PROMPT)], OUTPUT, ignore_eos=True,
-                                    arrival_time=now, priority=tk.engine_priority if q is not None else 2 * tk.cls)
+                                    arrival_time=now, priority=tk.engine_priority)
                 of[r] = (tk, *tk.waiter)
             elif tk.state == "shed":  # at its latest start, or overtaken
                 client, measured = tk.waiter

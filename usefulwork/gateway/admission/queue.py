@@ -144,7 +144,6 @@ class PoolQueue:
     pending: int = 0  # prefills admitted and not yet answered (first token not seen), all classes
     pending_inter: int = 0  # of those, interactive
     pending_low: int = 0  # of those, low band (``Ticket.low_band``)
-    pending_top: int = 0  # the others: interactive, of a tenant within its share when admitted
     _top_seen: float = -math.inf  # the last offer of top-band work (interactive, its tenant within its share)
     _prefill_due: list = field(default_factory=list)  # heap of (when a unary prefill is deemed done, seq, ticket)
     _seq: Any = field(default_factory=itertools.count)
@@ -164,7 +163,7 @@ class PoolQueue:
     def low_band(self, cls: int, tenant: str | None) -> bool:
         """Below the top band: a lower class, or a tenant already holding its fair share while others are active."""
         return cls > 0 or (tenant is not None and bool(self.tenant_headroom)
-                           and self.share_state(tenant, self.capacity.current()) == 1)
+                           and self.over_share(tenant, self.capacity.current()))
 
     def low_band_free(self, cls: int, tenant: str | None = None) -> int | None:
         """Prefill places free for low-band work (None: not gated). Under vLLM's priority scheduling a waiting
@@ -192,7 +191,7 @@ class PoolQueue:
             return self.pending
         if cls != 0:
             return None
-        return self.pending_inter if tenant is not None and self.low_band(0, tenant) else self.pending_top
+        return self.pending_inter if tenant is not None and self.low_band(0, tenant) else self.pending - self.pending_low
 
     def prefill_gate(self, cls: int, tenant: str | None = None) -> tuple[int, int] | None:
         """(pending prefills, prefill places) that gate class ``cls`` (of ``tenant``) now (None: no gate for it)."""
@@ -643,20 +642,17 @@ class PoolQueue:
     # -- prefill places --
     def _start_prefill(self, t: Ticket, now: float) -> None:
         t.low_band = t.cls > 0 or t.over_share
-        top = not t.low_band
         # the prompts it waits behind (``prefill_pending``): the prefill limit learns per prompt ahead
         if not self.capacity.priority_scheduling:
             ahead = self.pending
         else:
-            ahead = self.pending_top if top else self.pending_inter
+            ahead = self.pending_inter if t.low_band else self.pending - self.pending_low
         t.prefill_ahead = ahead / self.capacity.count()
         t.prefilling = True
         self.pending += 1
         if t.cls == 0:
             self.pending_inter += 1
-        if top:
-            self.pending_top += 1
-        else:
+        if t.low_band:
             self.pending_low += 1
         if not t.stream:
             # A unary answer's first token is not seen: its place is deemed free once the prefills ahead
@@ -672,8 +668,6 @@ class PoolQueue:
             self.pending_inter -= 1
         if t.low_band:
             self.pending_low -= 1
-        else:
-            self.pending_top -= 1
 
     def _prefills_due(self, now: float) -> None:
         due = self._prefill_due
