@@ -4,6 +4,7 @@ that a slow writer or a failing disk drops records and counts them without delay
 from __future__ import annotations
 
 import asyncio
+import statistics
 import threading
 import time
 
@@ -129,7 +130,7 @@ async def test_a_stalled_writer_drops_and_counts_without_delaying_requests(tmp_p
     real_write = TrafficLog._write
 
     def stalled(self, batch):
-        gate.wait(10)
+        gate.wait(30)
         real_write(self, batch)
 
     monkeypatch.setattr(TrafficLog, "_write", stalled)
@@ -144,7 +145,10 @@ async def test_a_stalled_writer_drops_and_counts_without_delaying_requests(tmp_p
             await asyncio.sleep(0.02)  # let the drain run
     st = f.stats()
     assert st["dropped_queue"] > 150 and st["written"] == 0
-    assert sorted(lat)[int(len(lat) * 0.99)] < 0.001  # the request path never waited for the writer
+    # The request path never waited for the writer: a wait would last until the gate opens (30 s).
+    # A fixed sub-millisecond bound on p99 read a GC pause or a preempted core as a wait (1.15 ms
+    # once in CI); the median shows the path stays cheap, the maximum that nothing blocked.
+    assert statistics.median(lat) < 0.001 and max(lat) < 1.0
     gate.set()
     await f.stop()
     assert f.stats()["written"] + f.stats()["dropped_queue"] == 200
