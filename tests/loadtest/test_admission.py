@@ -83,10 +83,13 @@ def test_admission_experiment_is_valid_and_plans_its_cells():
     assert ("optimized-batched-admission-on", "capacity-10") not in cells  # per-case profile selection
     on = next(p for p in exp.profiles if p.name.endswith("admission-on"))
     cfg = gateway_config(exp, on, "http://127.0.0.1:1", 1)
-    assert cfg["filters"] == ["admission"] and "admission" not in cfg  # the filter's defaults, nothing tuned
+    # the filter's defaults, nothing tuned; its workload times in wall seconds as the SLO (time scale 0.5)
+    assert cfg["filters"] == ["admission"] and cfg["slo"]["ttft_ms"] == 4000.0
+    assert cfg["admission"] == {"deadline_ms": {"batch": 120000.0}, "tenant_active_s": 60.0}
     from usefulwork.config import from_mapping
 
-    assert from_mapping(cfg, environ={}).tenants["heavy"].key_hashes
+    loaded = from_mapping(cfg, environ={})
+    assert loaded.tenants["heavy"].key_hashes and loaded.admission.deadline_ms["batch"] == 120000.0
     # admission on: the simulated replica schedules by priority and the gateway's pool knows it; off: neither
     assert on.sim_overrides["scheduling_policy"] == "priority" and cfg["pools"][0]["scheduling_policy"] == "priority"
     off = next(p for p in exp.profiles if p.name.endswith("admission-off"))

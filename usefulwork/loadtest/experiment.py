@@ -345,11 +345,26 @@ def gateway_config(exp: Experiment, profile: Profile, backend_urls: str | list[l
         "timeouts": {"first_byte_s": 600.0, "read_s": 600.0},
         "pools": pools,
     }, profile.gateway)
+    if s != 1.0 and "admission" in (cfg.get("filters") or []):
+        cfg["admission"] = _admission_in_wall_time(cfg.get("admission") or {}, s)
     routing = cfg.get("routing") or {}
     for picker in [routing.get("default_picker") or {}, *(routing.get("pickers") or {}).values()]:
         if picker.get("kind") == "precise-prefix" and kv_endpoints:
             picker.setdefault("kv_events_endpoints", dict(kv_endpoints))
     return cfg
+
+
+def _admission_in_wall_time(adm: dict[str, Any], s: float) -> dict[str, Any]:
+    """Admission's workload times (the class deadlines, how long a tenant counts as active) in wall seconds,
+    as the SLO is: at time scale 0.5 the batch class's 60 s deadline is 120 wall seconds. (Until 2026-11-26
+    they were not scaled: the batch deadline was 30 simulated seconds at half speed, 15 at quarter speed,
+    and the priority cell shed batch work the engine would have served.)"""
+    from usefulwork.gateway.admission.config import AdmissionCfg
+
+    default = AdmissionCfg()
+    deadlines = adm.get("deadline_ms", default.deadline_ms)
+    return {**adm, "deadline_ms": {cls: float(ms) / s for cls, ms in deadlines.items()},
+            "tenant_active_s": float(adm.get("tenant_active_s", default.tenant_active_s)) / s}
 
 
 def free_port() -> int:
