@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,6 +121,15 @@ def classes(seeds: list[int]) -> dict[str, Any]:
             quiet = ", ".join(f"{v['p99_s']:.3f} / {v['alone_p99_s']:.3f} ({v['ratio']:.2f}x)" for v in f["quiet"].values())
             print(f"| {seed} | {name} | {p['interactive_p99_s']:.3f} / {p['alone_p99_s']:.3f} | {p['ratio']:.2f}x | "
                   f"{p['tokens_per_s']:.0f} / {p['off_tokens_per_s']:.0f} ({p['throughput_ratio']:.3f}) | {quiet} |")
+    print("\nWhere the slowest first token went (shipped; ms: gateway queue + engine wait + own prefill step(s), "
+          "the API front-end's fixed delay aside), loaded | alone:")
+    print("| seed | client | loaded | alone |")
+    print("|---|---|---|---|")
+    for seed in seeds:
+        p, f = data["shipped"][seed]["priority"], data["shipped"][seed]["fairness"]
+        worst = max(f["quiet"], key=lambda k: f["quiet"][k]["ratio"] or math.inf)
+        for client, row in (("interactive", p), (worst, f["quiet"][worst])):
+            print(f"| {seed} | {client} | {_parts(row['slowest'])} | {_parts(row['alone_slowest'])} |")
     for name in variants:
         rows = list(data[name].values())
         met_p = sum(1 for r in rows if r["priority"]["ratio"] <= 1.2)
@@ -128,6 +138,13 @@ def classes(seeds: list[int]) -> dict[str, Any]:
         print(f"{name}: interactive <= 1.2x in {met_p}/{len(rows)} seeds, throughput >= 95% in {met_t}/{len(rows)}, "
               f"every quiet tenant <= 1.2x in {met_f}/{len(rows)}")
     return data
+
+
+def _parts(x: dict[str, float] | None) -> str:
+    if not x:
+        return "-"
+    return (f"{x['ttft_s'] * 1e3:.0f} = {x['gateway_queue_s'] * 1e3:.0f} + {x['engine_wait_s'] * 1e3:.0f} + "
+            f"{x['prefill_s'] * 1e3:.0f}")
 
 
 def main() -> int:
