@@ -112,6 +112,7 @@ class RedisStore:
         self._chan_opening: asyncio.Future | None = None
         self._get_head = b"*7\r\n$7\r\nEVALSHA\r\n$40\r\n" + self._get.sha.encode() + b"\r\n$1\r\n3\r\n"
         self._tail: asyncio.Task | None = None
+        self._warm: asyncio.Task | None = None
         self._stopping = False
         self._last_id = "0-0"
         self.evicted = 0
@@ -206,8 +207,20 @@ class RedisStore:
 
     # -- keeping this replica's index in sync --
     async def start(self) -> None:
-        """Rebuild the index from Redis, then follow the log. Redis down: start empty, keep trying."""
+        """Rebuild the index from Redis, then follow the log. Redis down: start empty, keep trying.
+
+        The lookup channel is opened now too: a first lookup that had to connect did so inside its
+        ``redis_timeout_s`` (0.1 s), and a connect slower than that on a busy host bypassed the cache
+        for that request (a flaky two-gateway test in CI: ``bypass`` where ``hit-exact`` was due)."""
         self._tail = asyncio.get_running_loop().create_task(self._follow(), name="usefulwork-cache-sync")
+        if self._chan_args is not None:
+            self._warm = asyncio.get_running_loop().create_task(self._open_quietly(), name="usefulwork-cache-channel")
+
+    async def _open_quietly(self) -> None:
+        try:
+            await self._channel()
+        except Exception as exc:  # Redis down at start: the first lookup tries again (and bypasses)
+            log.debug("cache lookup channel not opened at start: %r", exc)
 
     async def _rebuild(self, r: aioredis.Redis) -> None:
         newest = await r.xrevrange(self._k("log"), count=1)
@@ -267,6 +280,7 @@ class RedisStore:
     async def stop(self) -> None:
         self._stopping = True
         await cancel_and_wait(self._tail)
+        await cancel_and_wait(self._warm)
         if self._chan is not None:
             self._chan.close()
         await self.r.aclose()
