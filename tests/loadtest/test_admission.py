@@ -8,7 +8,7 @@ import time
 
 import httpx
 
-from usefulwork.loadtest.admission import burst_figures, jain, per_request
+from usefulwork.loadtest.admission import _throughput, _throughput_until, burst_figures, jain, per_request
 from usefulwork.loadtest.client import send
 from usefulwork.loadtest.metrics import SLOSpec
 from usefulwork.loadtest.workloads import RequestSpec
@@ -72,6 +72,19 @@ def test_burst_figures_and_jain():
     assert abs(f["shed_answer_p99_wall_ms"] - 20.0) < 1e-9  # 0.01 simulated s at time scale 0.5
     assert f["goodput_in_peaks_per_s"] == 1 / 9.0  # one good request in the single 9 s peak
     assert jain([1, 1, 1, 1]) == 1.0 and abs(jain([1, 0, 0, 0]) - 0.25) < 1e-12
+
+
+def test_backend_throughput_counts_the_tokens_made_while_the_overload_is_offered():
+    # three streams: one ends inside the 10 s of arrivals; one starts inside and ends in the drain (two
+    # tokens a chunk); one abandoned in the drain (its usage never came: a chunk a token); one shed
+    r = {"start_times": [1.0, 8.0, 9.0, 9.5], "ttfts": [1.0, 1.0, 0.5, 0.0],
+         "itls": [[1.0] * 4, [1.0] * 4, [2.0] * 3, []], "output_lens": [5, 10, 0, 0],
+         "total_output_tokens": 15, "duration": 20.0, "per_request": {"wasted_chunks": [0, 0, 4, 0]}}
+    # by 10 s: all 5 of the first, chunks at 9 and 10 s of the second (4 tokens), the third's first chunk at 9.5 s
+    assert _throughput_until(r, 10.0) == (5 + 4 + 1) / 10.0
+    assert _throughput_until(r, 100.0) == (5 + 10 + 4) / 100.0  # every token, once
+    assert _throughput(r) == (15 + 4) / 20.0  # the whole cell, drain included
+    assert _throughput_until(r, 0.0) == 0.0
 
 
 def test_admission_experiment_is_valid_and_plans_its_cells():
