@@ -305,7 +305,7 @@ class Simulation:
             if nxt.state == "admitted":
                 self._dispatch(nxt.waiter)
             else:
-                self._shed(nxt.waiter, self._retry_estimate())
+                self._shed(nxt.waiter, nxt.retry_after_s if nxt.retry_after_s is not None else self._retry_estimate())
 
     def _retry_estimate(self) -> float:  # the filter's _retry_estimate
         rate = self.queue.capacity.drain_rate()

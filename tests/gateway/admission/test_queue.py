@@ -233,6 +233,27 @@ def test_queued_ticket_is_shed_at_its_latest_start_not_at_its_deadline():
     assert q.expire(1.9) == [late] and late.shed_reason == "deadline" and q.queued == 0
 
 
+def test_a_ticket_dropped_at_its_latest_start_is_told_when_its_retry_fits_and_that_place_is_held():
+    """As a shed at arrival: a Retry-After from the drain, and a reservation its retry takes back (a
+    dropped ticket used to get no place, and the queue's length over the drain rate: burst-retry clients
+    told 0.59 s came back into the same full pool and were shed again)."""
+    q = make_queue(limit=4, service_s=1.0)
+    running = [ticket(0.0) for _ in range(4)]
+    for t in running:
+        q.offer(t, 0.0)
+    late = ticket(0.0, deadline_s=2.0)
+    late.key = 42
+    assert q.offer(late, 0.0).kind == "queue"
+    q.capacity.limit = 2.0  # cut: the running four hold the pool past the late ticket's latest start
+    assert q.expire(1.9) == [late] and late.shed_reason == "deadline"
+    assert late.retry_after_s is not None and late.retry_after_s > 0.05
+    assert q._held[42][0] == pytest.approx(1.9 + late.retry_after_s)  # its place, held for its key
+    retry = ticket(1.9 + late.retry_after_s)
+    retry.key = 42
+    q.offer(retry, retry.arrival)
+    assert retry.since == pytest.approx(1.9) and q.retries_honoured == 1
+
+
 def test_expiry_honours_the_queues_promise_after_a_limit_cut():
     """A ticket queued on a promise whose slot a limit cut took back is admitted at its latest start
     while the pool is within 10% of the new limit, rather than answered 429 late."""

@@ -201,7 +201,7 @@ class AdmissionFilter:
                     await self._settle(ctx.tenant, tenant_cfg, -tokens, 0.0)
                     settled = True
                     return self._shed(call, queue, t, t.shed_reason or "deadline",
-                                      self._retry_estimate(queue))
+                                      t.retry_after_s if t.retry_after_s is not None else self._retry_estimate(queue))
             else:
                 self.decisions["admit"] += 1
                 ctx.admission = ctx.admission or "admit"
