@@ -948,3 +948,24 @@ def test_interactive_answers_near_the_e2e_target_cut_the_fill_limit_not_the_slo_
         assert cap.interactive_late() and cap.batch_decreases > 0 and cap.batch_limit < 40.0
     else:
         assert not cap.interactive_late() and cap.batch_decreases == 0 and cap.batch_limit > 40.0
+
+
+def test_the_tail_window_gives_the_kth_largest_of_the_last_values_as_a_full_sort_would():
+    import heapq
+    import random
+
+    from usefulwork.gateway.admission.capacity import Window
+
+    rng = random.Random(5)
+    w, last = Window(100), []
+    for i in range(1000):
+        x = round(rng.expovariate(1.0), 2)  # (rounded: ties, which removal must tell apart by value only)
+        w.append(x)
+        last = (last + [x])[-100:]
+        assert len(w) == len(last) and list(w) == last
+        for k in {1, min(5, len(last)), len(last)}:
+            assert w.largest(k) == heapq.nlargest(k, last)[-1]
+        if i == 500:
+            w.clear()
+            last = []
+            assert len(w) == 0

@@ -51,7 +51,7 @@ service time. The clock is a parameter: tests run it virtually.
 
 from __future__ import annotations
 
-import heapq
+import bisect
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -116,8 +116,8 @@ class Capacity:
         self.service: float | None = None  # EWMA of a slot's hold time (s)
         self.service_dev: float = 0.0
         self.tokens: float | None = None  # EWMA of tokens per request
-        self.recent_ttft: deque[float] = deque(maxlen=cfg.tail_window)  # the tail's window (successes)
-        self.recent_e2e: deque[float] = deque(maxlen=cfg.tail_window)
+        self.recent_ttft = Window(cfg.tail_window)  # the tail's window (successes)
+        self.recent_e2e = Window(cfg.tail_window)
         self.samples = 0
         self.decreases = 0
         self.batch_decreases = 0
@@ -355,13 +355,13 @@ class Capacity:
         self._learn_fill(s, now, n)
         self._learn_slo(s, now, n)
 
-    def tail(self, xs: deque[float]) -> float | None:
+    def tail(self, xs: Window) -> float | None:
         """The ``tail_quantile`` of a window (None under 10 samples): the k-th largest, k = the share above it."""
         n = len(xs)
         if n < 10:
             return None
         k = max(1, math.ceil((1.0 - self.cfg.tail_quantile) * n))
-        return heapq.nlargest(k, xs)[-1]
+        return xs.largest(k)
 
     def _load(self) -> float:
         """Service TTFT and E2E (their tail, else their means) and the mean TPOT as a fraction of their
@@ -447,6 +447,40 @@ class Capacity:
                 "samples": self.samples, "decreases": self.decreases, "fill_decreases": self.batch_decreases,
                 "prefill_limit": self.prefill_places(), "prefill_per_replica": None if self.prefill_limit is None else round(self.prefill_limit, 2),
                 "prefill_each_s": self.prefill_each, "prefill_decreases": self.prefill_decreases}
+
+
+class Window:
+    """The last ``size`` values, also kept sorted: its k-th largest is one index, where ``heapq.nlargest``
+    over the window on every finished request was 7% of the gateway's CPU with admission on
+    (``benchmarks/overhead.py``, docs/benchmarks.md section 13)."""
+
+    __slots__ = ("_order", "_sorted")
+
+    def __init__(self, size: int):
+        self._order: deque[float] = deque(maxlen=size)
+        self._sorted: list[float] = []
+
+    def append(self, x: float) -> None:
+        order = self._order
+        if len(order) == order.maxlen:
+            s = self._sorted
+            del s[bisect.bisect_left(s, order[0])]
+        order.append(x)
+        bisect.insort(self._sorted, x)
+
+    def clear(self) -> None:
+        self._order.clear()
+        self._sorted.clear()
+
+    def largest(self, k: int) -> float:
+        """The ``k``-th largest value (1: the largest)."""
+        return self._sorted[-k]
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __iter__(self):
+        return iter(self._order)
 
 
 def _ewma(old: float | None, new: float) -> float:
