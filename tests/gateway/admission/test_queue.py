@@ -491,6 +491,30 @@ def test_live_decode_speed_cuts_the_limit_before_any_request_ends():
     assert cap.live_tpot is None and cap.decreases == 1
 
 
+def test_under_priority_scheduling_a_slow_decode_with_batch_work_beyond_the_slo_limit_cuts_the_fill_limit():
+    """Batch work that fills the pool past the SLO limit is what slows the decode: it yields (the fill limit
+    is cut), and interactive work keeps its SLO limit. (Cutting the SLO limit instead took the real CPU
+    vLLM's 2x cell to 1.7 interactive slots while 24 batch ones ran, and interactive requests were shed.)"""
+    class R:
+        healthy = True
+        scrapes, itl_live = 1, 0.15  # twice the 75 ms TPOT target
+
+    for priority, cut_fill in ((True, True), (False, False)):
+        cap = Capacity(AdmissionCfg(initial_concurrency=4), *SLO, replicas=lambda: [R()], priority_scheduling=priority)
+        cap.service, cap.batch_limit = 10.0, 24.0
+        cap.judge_live(100.0, 20)  # 20 in flight: 4 interactive, 16 batch beyond the SLO limit
+        if cut_fill:
+            assert cap.limit == 4.0 and cap.decreases == 0
+            assert cap.batch_limit == pytest.approx(20 * 0.5) and cap.batch_decreases == 1
+        else:
+            assert cap.limit == pytest.approx(4 * 0.5) and cap.decreases == 1 and cap.batch_limit == 24.0
+    # within the SLO limit (no batch beyond it), a slow decode cuts the SLO limit as before
+    cap = Capacity(AdmissionCfg(initial_concurrency=4), *SLO, replicas=lambda: [R()], priority_scheduling=True)
+    cap.service, cap.batch_limit = 10.0, 24.0
+    cap.judge_live(100.0, 4)
+    assert cap.limit == pytest.approx(4 * 0.5) and cap.batch_limit == 24.0
+
+
 def test_a_queued_request_is_priced_at_the_replicas_mean_decode_speed_and_the_limit_judged_on_the_slowest():
     """A request runs on one replica (the least-loaded one): pricing its wait at the slowest replica's
     decode speed shed the autoscale what-if's day 2,166 times where 1,669 sufficed. The limit is still

@@ -256,7 +256,8 @@ class Capacity:
         TPOT of what runs now. Each new scrape is judged once: over ``tpot_target`` it cuts the limit as a
         late tail would (in proportion, at least 10%, at most half, once per service time), from what is in flight
         if that is under the limit; it also holds growth (``_load``) and prices the queue's waits
-        (``est_e2e``). Called by the queue on every arrival and release (cheap: a look at each replica's
+        (``est_e2e``). Under priority scheduling, with batch work holding slots beyond the SLO limit, the
+        fill limit is cut instead (batch yields first; the SLO limit is what interactive work uses). Called by the queue on every arrival and release (cheap: a look at each replica's
         scrape counter)."""
         reps = list(self.replicas())
         seen = {id(r): getattr(r, "scrapes", 0) for r in reps}
@@ -269,9 +270,23 @@ class Capacity:
         self.live_tpot_mean = sum(lives) / len(lives) if lives else None
         # (no verdict before a round trip was measured: the cold limit is initial_concurrency, and the
         # once-per-service-time rule needs a service time; without it every scrape cut the limit to 1)
-        if live is None or live <= self.tpot_target or self.service is None or now - self.last_decrease < self.service:
+        if live is None or live <= self.tpot_target or self.service is None:
             return
         n = self.count(reps)
+        if self.priority_scheduling and inflight / n > self.limit and self.batch_limit > self.limit:
+            # Batch work beyond the SLO limit is what slows the decode: it yields first, as for late
+            # interactive answers (``interactive_late``). Cutting the SLO limit instead left interactive
+            # work one slot: on the real CPU vLLM's 2x cell the SLO limit went to 1.7 per replica in three
+            # live cuts while the fill limit stayed at 24, and interactive requests queued 3.4 s and were shed.
+            if now - self.last_batch_decrease >= self.service:
+                self.batch_limit = max(self.limit, min(self.batch_limit, inflight / n)
+                                       * max(0.5, min(0.9, self.tpot_target / live)))
+                self.last_batch_decrease = now
+                self.batch_decreases += 1
+                self.live_decreases += 1
+            return
+        if now - self.last_decrease < self.service:
+            return
         new = self._cut_to(min(self.limit, inflight / n), live / self.tpot_target, n)
         if new < self.limit:
             self._cut(new, now)
