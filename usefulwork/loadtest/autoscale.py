@@ -305,11 +305,7 @@ class Simulation:
             if nxt.state == "admitted":
                 self._dispatch(nxt.waiter)
             else:
-                self._shed(nxt.waiter, nxt.retry_after_s if nxt.retry_after_s is not None else self._retry_estimate())
-
-    def _retry_estimate(self) -> float:  # the filter's _retry_estimate
-        rate = self.queue.capacity.drain_rate()
-        return self.queue.queued / rate if rate else 1.0
+                self._shed(nxt.waiter, nxt.retry_after_s)  # (set by the queue when it dropped the ticket)
 
     def _pump(self) -> None:
         self._wake(self.queue.pump(self.now))

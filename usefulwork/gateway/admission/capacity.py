@@ -279,10 +279,7 @@ class Capacity:
             # work one slot: on the real CPU vLLM's 2x cell the SLO limit went to 1.7 per replica in three
             # live cuts while the fill limit stayed at 24, and interactive requests queued 3.4 s and were shed.
             if now - self.last_batch_decrease >= self.service:
-                self.batch_limit = max(self.limit, min(self.batch_limit, inflight / n)
-                                       * max(0.5, min(0.9, self.tpot_target / live)))
-                self.last_batch_decrease = now
-                self.batch_decreases += 1
+                self._cut_fill(min(self.batch_limit, inflight / n) * max(0.5, min(0.9, self.tpot_target / live)), now)
                 self.live_decreases += 1
             return
         if now - self.last_decrease < self.service:
@@ -441,12 +438,16 @@ class Capacity:
         interactive TTFT p99 was 1.23-2.0x alone on seeds 1-3; at 0.9, 95-96% and 1.05-1.18x.)"""
         return self.inter_service is not None and self.inter_service > INTERACTIVE_YIELD * self.e2e_target
 
+    def _cut_fill(self, new: float, now: float) -> None:
+        """Cut the fill limit to ``new`` per replica (never below the SLO limit): batch work yields."""
+        self.batch_limit = max(self.limit, new)
+        self.last_batch_decrease = now
+        self.batch_decreases += 1
+
     def _learn_fill(self, s: Sample, now: float, n: int) -> None:
         if self.queueing() or self.interactive_late():
             if now - self.last_batch_decrease >= (self.service or 0.0) and self.batch_limit > self.limit:
-                self.batch_limit = max(self.limit, self.batch_limit * 0.9)
-                self.last_batch_decrease = now
-                self.batch_decreases += 1
+                self._cut_fill(self.batch_limit * 0.9, now)
             return
         # tested: admitted near the fill limit less the interactive reserve (all batch work may use)
         if (s.inflight_at_admit + 1) / n >= 0.9 * (self.batch_limit - self.cfg.reserve_fraction * self.limit - 1.0):

@@ -200,8 +200,8 @@ class AdmissionFilter:
                 if not admitted:
                     await self._settle(ctx.tenant, tenant_cfg, -tokens, 0.0)
                     settled = True
-                    return self._shed(call, queue, t, t.shed_reason or "deadline",
-                                      t.retry_after_s if t.retry_after_s is not None else self._retry_estimate(queue))
+                    # (shed from the queue: ``PoolQueue._drop`` gave it its Retry-After and held its place)
+                    return self._shed(call, queue, t, t.shed_reason or "deadline", t.retry_after_s)
             else:
                 self.decisions["admit"] += 1
                 ctx.admission = ctx.admission or "admit"
@@ -276,10 +276,6 @@ class AdmissionFilter:
         self.decisions["shed"] += 1
         msg = _MESSAGES.get(reason, "shed: {pool}").format(pool=queue.name, tenant=t.tenant)
         return self._refuse(call, 429, msg, reason, queue, retry_after_s)
-
-    def _retry_estimate(self, queue: PoolQueue) -> float:
-        rate = queue.capacity.drain_rate()
-        return (queue.queued / rate) if rate else 1.0
 
     # -- waiting and dispatching --
     async def _wait(self, queue: PoolQueue, t: Ticket) -> bool:

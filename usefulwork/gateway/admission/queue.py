@@ -87,7 +87,7 @@ class Ticket:
     over_share: bool = False  # its tenant held its fair share of the SLO limit when it was admitted
     waiter: Any = None  # the filter's future, resolved when the ticket is admitted or shed
     shed_reason: str | None = None
-    retry_after_s: float | None = None  # dropped from the queue: when its retry fits (its place is held)
+    retry_after_s: float | None = None  # shed: when its retry fits (its place is held); set by the queue
     stream: bool = True  # its first token is seen (``first_token``); a unary answer's is not
     prefilling: bool = False  # admitted, first token not seen yet: holds a prefill place
     prefill_ahead: float = 0.0  # prefills pending per replica ahead of it when admitted
@@ -398,7 +398,8 @@ class PoolQueue:
         t.state = "shed"
         t.shed_reason = reason
         self.shed_total[reason] = self.shed_total.get(reason, 0) + 1
-        return Decision("shed", reason, predicted_wait_s=wait, retry_after_s=self._retry_after(t, now))
+        t.retry_after_s = self._retry_after(t, now)
+        return Decision("shed", reason, predicted_wait_s=wait, retry_after_s=t.retry_after_s)
 
     def _retry_after(self, t: Ticket, now: float) -> float:
         """When the retry of shed ``t`` fits; its place is held for it then (a reservation).
