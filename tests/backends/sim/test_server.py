@@ -233,3 +233,21 @@ def test_priority_scheduling_serves_the_lower_value_first(tmp_path):
 
         assert asyncio.run(go()) == ["hold", "high", "low"]
         assert httpx.get(f"{sim.base_url}/sim/info", timeout=5).json()["flags"]["scheduling_policy"] == "priority"
+
+
+def test_a_chat_stream_sends_its_role_chunk_with_the_first_token_as_vllm_does(a100):
+    # vLLM's chat stream sends {"role": "assistant"} on its result generator's first output, i.e.
+    # after the prefill: a gateway that times the first token from the first chunk must see the prefill.
+    body = {"model": "llama", "messages": [{"role": "user", "content": "word " * 6000}], "max_tokens": 2, "stream": True}
+    t0 = time.perf_counter()
+    times, chunks = [], []
+    with httpx.stream("POST", f"{a100.base_url}/v1/chat/completions", json=body, timeout=30) as r:
+        t_head = time.perf_counter() - t0
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                times.append(time.perf_counter() - t0)
+                chunks.append(json.loads(line[6:]))
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[1]["choices"][0]["delta"]["content"]
+    prefill = times[1] - t_head  # a 6,000-token prefill on the simulated A100 at time scale 2: ~0.2 s
+    assert prefill > 0.1 and times[0] - t_head > 0.8 * prefill and times[1] - times[0] < 0.2 * prefill

@@ -423,10 +423,11 @@ def build_app(server: SimServer) -> Starlette:
         """The token loop both endpoints share; ``choice_for(new, sent, done)`` shapes one chunk's choice."""
         sent = 0
         try:
-            if first is not None:
-                yield _sse(first)
             while True:
                 new, done = await sink.drain()
+                if first is not None:  # as vLLM: the role chunk comes with the first output, after the prefill
+                    yield _sse(first)
+                    first = None
                 if new:
                     choice = choice_for(new, sent, done)
                     sent += len(new)
