@@ -71,6 +71,22 @@ async def test_upstream_and_semantic_lookup_race():
     assert r.header(b"x-usefulwork-cache").startswith(b"hit-semantic") and up2.calls == 1
 
 
+async def test_a_lookup_the_upstream_beats_finishes_in_the_background_and_does_not_pay():
+    f, up = CacheFilter(cfg=CacheCfg()), FakeUpstream("Paris.")
+    await ask(f, up, make_call("What is the capital of France?"))
+    before, computed = f.stats(), f.embedder.embedded
+    for stream in (False, True):  # a whole JSON answer, then a stream's first chunk, before the embedding
+        r, _ = await ask(f, up, make_call(f"Which city is the capital of France{'!' if stream else '?'}", stream=stream))
+        assert r.header(b"x-usefulwork-cache") == b"miss"
+    st = f.stats()
+    # each late lookup's vector is the one stored with the answer: one embedding per request, not two
+    assert f.embedder.embedded - computed == 2 and st["embeddings"] - before["embeddings"] == 2
+    assert st["vectors"] == 3 and st["stored"] == 3
+    assert st["semantic_late"] == 2 and st["semantic_late_hits"] == 2 and list(f._lookups) == [False, False]
+    assert (await ask(f, up, make_call("Which city is the capital of France!", stream=True)))[0].header(
+        b"x-usefulwork-cache") == b"hit-exact"  # stored whole
+
+
 async def test_requests_that_cannot_hit_skip_the_embedding():
     f, up = CacheFilter(cfg=CacheCfg()), FakeUpstream()
     await ask(f, up, make_call("hello there", headers=[(b"cache-control", b"no-store")]))  # empty partition

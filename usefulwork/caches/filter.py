@@ -49,6 +49,7 @@ log = logging.getLogger("usefulwork.cache")
 HEADER = b"x-usefulwork-cache"
 PAYOFF_WINDOW = 200  # semantic lookups judged for ``semantic.min_hit_share``
 PAYOFF_SAMPLE = 10  # while it does not pay: embed one request in this many
+LOOKUP = "cache_lookup"  # call.memo: a semantic lookup the upstream's answer beat, still running
 _DIRECTIVE = re.compile(r'^[A-Za-z][A-Za-z0-9\-]*(?:=(?:[A-Za-z0-9\-]+|"[^"]*"))?$')
 CANDIDATES = 4  # nearest entries considered per semantic lookup
 
@@ -142,6 +143,8 @@ class CacheFilter:
         self.semantic_skipped = 0  # lookups or vectors skipped because the embedder was backlogged
         self.semantic_skipped_loading = 0  # ... because the embedder had not loaded yet (a miss; exact works)
         self.semantic_skipped_unpaid = 0  # ... because recent lookups rarely hit (semantic.min_hit_share)
+        self.semantic_late = 0  # semantic lookups the upstream's first token beat (finished in the background)
+        self.semantic_late_hits = 0  # ... of which found a hit: answers the race cost
         self._lookups: deque[bool] = deque(maxlen=PAYOFF_WINDOW)  # recent semantic lookups: hit or not
         self._unpaid = 0
         self._instruments(services.meter if services is not None else None)
@@ -239,14 +242,14 @@ class CacheFilter:
             await asyncio.wait((look, up), return_when=asyncio.FIRST_COMPLETED)
             if up.done() and (up.exception() is not None or not up.result().streaming):
                 if not look.done():  # a whole answer (or an error) came first
-                    look.cancel()
+                    self._late(call, look)
                     return await up
             elif up.done():  # a stream's headers: race its first chunk against the lookup
                 reply = up.result()
                 first = asyncio.ensure_future(reply.chunks.__anext__())
                 await asyncio.wait((look, first), return_when=asyncio.FIRST_COMPLETED)
                 if first.done() and not look.done():
-                    look.cancel()
+                    self._late(call, look)
                     return _with_first(reply, first)
             hit = None
             try:
@@ -271,8 +274,23 @@ class CacheFilter:
             return self._hit(call, *hit)
         finally:
             for t in (look, up):
-                if not t.done():
+                if not t.done() and call.memo.get(LOOKUP) is not t:
                     t.cancel()
+
+    def _late(self, call: Call, look: asyncio.Future) -> None:
+        """The upstream answered before the lookup: it finishes in the background (its embedding is the
+        vector the answer is stored with: computed once, not cancelled and computed again) and counts as
+        a lookup that did not pay, whatever it finds."""
+        self.semantic_late += 1
+        call.memo[LOOKUP] = look
+        self._tasks.add(look)
+        look.add_done_callback(self._late_done)
+
+    def _late_done(self, look: asyncio.Future) -> None:
+        self._tasks.discard(look)
+        if not look.cancelled() and look.exception() is not None:
+            self.store_errors += 1
+            log.debug("semantic lookup failed: %r", look.exception())
 
     async def _semantic(self, call: Call, keys: Keys, fresh_after: float) -> tuple[Entry, float] | None:
         t = time.perf_counter()
@@ -298,7 +316,9 @@ class CacheFilter:
                 if why is not None:
                     self.guard_refusals[why] = self.guard_refusals.get(why, 0) + 1
                     continue
-            self._lookups.append(True)
+            late = LOOKUP in call.memo
+            self._lookups.append(not late)
+            self.semantic_late_hits += late
             return entry, score
         self._lookups.append(False)
         return None
@@ -368,6 +388,9 @@ class CacheFilter:
         vec = None
         try:
             if self.embedder is not None:
+                look = call.memo.get(LOOKUP)
+                if look is not None and not look.done():  # its vector is on the way
+                    await asyncio.wait((look,))
                 vec = call.memo.get("embedding")
                 if vec is None and (not self._embedder_ready() or self._embedder_busy() or not self._semantic_pays()):
                     pass  # filed for exact hits only: embedding it now would delay lookups that can hit
@@ -437,6 +460,8 @@ class CacheFilter:
             "semantic_skipped_busy": self.semantic_skipped,
             "semantic_skipped_unpaid": self.semantic_skipped_unpaid,
             "semantic_skipped_loading": self.semantic_skipped_loading,
+            "semantic_late": self.semantic_late,
+            "semantic_late_hits": self.semantic_late_hits,
             "embedder_loaded": self.embedder.loaded if self.embedder is not None else None,
             "bypass_reasons": dict(self.bypass_reasons),
             "guard_refusals": dict(self.guard_refusals),
