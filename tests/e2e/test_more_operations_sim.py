@@ -55,6 +55,40 @@ def test_responses_and_embeddings_through_the_gateway(sim_gateway):
     assert recs[("embeddings", False)]["prompt_tokens"] > 0 and recs[("embeddings", False)]["completion_tokens"] == 0
 
 
+def test_a_streams_first_token_is_booked_after_the_prefill_on_every_operation(tmp_path):
+    """vLLM sends a chat stream's role chunk with the first output, and a Responses stream's
+    ``response.created`` / ``response.in_progress`` before the prefill: the gateway's TTFT (ledger,
+    admission) must count the prefill on all three operations. A 4,000-word prompt's prefill on the
+    simulated A100 at time scale 1 takes ~0.4 s; the sim's tokenizing of it ~0.05 s."""
+    sim = SimProcess(port=free_port(), profile="optimized-batched", gpu="A100-80G", model="Llama-3.1-8B",
+                     time_scale=1.0, log_path=tmp_path / "sim.log")
+    sim.start()
+    sim.wait_ready(120)
+    ledger = tmp_path / "ledger.jsonl"
+    gw = start_gateway(tmp_path, pool_cfg("Llama-3.1-8B", [sim.base_url], ledger={"jsonl_path": str(ledger)}))
+    try:
+        def words(w: str) -> str:  # a prompt of its own per request: no prefix-cache hit shortens a prefill
+            return f"{w} " * 4000
+        bodies = {"chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": words("cat")}]}),
+                  "completions": ("/v1/completions", {"prompt": words("dog")}),
+                  "responses": ("/v1/responses", {"input": words("fox")})}
+        ids = {}
+        for op, (path, b) in bodies.items():
+            extra = {"max_output_tokens": 2} if op == "responses" else {"max_tokens": 2}
+            with httpx.stream("POST", gw.url + path, json={"model": "Llama-3.1-8B", "stream": True, **b, **extra},
+                              timeout=60) as r:
+                assert r.status_code == 200
+                ids[op] = r.headers["x-request-id"]
+                r.read()
+        gw.stop()
+    finally:
+        gw.stop()
+        sim.stop()
+    recs = {r["id"]: r for r in _records(ledger)}
+    ttft = {op: recs[rid]["ttft_ms"] for op, rid in ids.items()}
+    assert all(t > 300 for t in ttft.values()), ttft
+
+
 def test_stream_still_running_after_the_shutdown_grace_is_told_and_not_booked_ok(tmp_path):
     """A real SIGTERM: uvicorn waits its 10 s grace for the stream, then cuts it (issue 9, item 2).
     The client must get an error event and [DONE] before the cut, and the ledger must not say ok."""

@@ -108,6 +108,19 @@ def error_event(message: str, code: int = 502, type_: str = "upstream_error") ->
     return b"data: " + body + _SEP + DONE_EVENT
 
 
+_PREAMBLE = (b"event: response.created\n", b"event: response.in_progress\n")
+
+
+def past_preamble(chunk: bytes) -> bool:
+    """Whether a Responses stream's chunk holds more than the two events vLLM sends before the prefill
+    (``response.created``, ``response.in_progress``). The first chunk that does is the stream's first
+    token; a chat or completions stream's first chunk is (vLLM sends its role chunk with the first output)."""
+    for event in chunk.split(_SEP):
+        if event and not event.startswith(_PREAMBLE):
+            return True
+    return False
+
+
 class ResponsesSSE(SSEFilter):
     """The Responses API's stream (``POST /v1/responses``): typed events and no ``[DONE]``.
 

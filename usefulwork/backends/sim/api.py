@@ -513,16 +513,22 @@ def build_app(server: SimServer) -> Starlette:
             seq = 0
             text = ""
             try:
+                # as vLLM: created and in_progress at once, the message's item and part with the first output
+                opening = ({"type": "response.output_item.added", "output_index": 0,
+                            "item": {"id": msg_id, "type": "message", "role": "assistant", "status": "in_progress",
+                                     "content": []}},
+                           {"type": "response.content_part.added", "item_id": msg_id, "output_index": 0,
+                            "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": []}})
                 for obj in ({"type": "response.created", "response": response_obj("in_progress", None, None)},
-                            {"type": "response.output_item.added", "output_index": 0,
-                             "item": {"id": msg_id, "type": "message", "role": "assistant", "status": "in_progress",
-                                      "content": []}},
-                            {"type": "response.content_part.added", "item_id": msg_id, "output_index": 0,
-                             "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": []}}):
+                            {"type": "response.in_progress", "response": response_obj("in_progress", None, None)}):
                     yield event(seq, obj)
                     seq += 1
                 while True:
                     new, done = await sink.drain()
+                    for obj in opening:
+                        yield event(seq, obj)
+                        seq += 1
+                    opening = ()
                     if new:
                         delta = server.text(new)
                         text += delta
