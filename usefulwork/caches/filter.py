@@ -255,8 +255,7 @@ class CacheFilter:
             try:
                 hit = await look
             except Exception as exc:  # the lookup failed: the upstream answers
-                self.store_errors += 1
-                log.debug("semantic lookup failed: %r", exc)
+                self._lookup_failed(exc)
             if hit is None:
                 reply = await up
                 return _with_first(reply, first) if first is not None else reply
@@ -289,8 +288,11 @@ class CacheFilter:
     def _late_done(self, look: asyncio.Future) -> None:
         self._tasks.discard(look)
         if not look.cancelled() and look.exception() is not None:
-            self.store_errors += 1
-            log.debug("semantic lookup failed: %r", look.exception())
+            self._lookup_failed(look.exception())
+
+    def _lookup_failed(self, exc: BaseException) -> None:
+        self.store_errors += 1
+        log.debug("semantic lookup failed: %r", exc)
 
     async def _semantic(self, call: Call, keys: Keys, fresh_after: float) -> tuple[Entry, float] | None:
         t = time.perf_counter()

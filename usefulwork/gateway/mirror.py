@@ -47,7 +47,7 @@ from usefulwork.gateway.context import RequestContext
 from usefulwork.gateway.errors import GatewayError
 from usefulwork.gateway.loop_lag import LoopLag
 from usefulwork.gateway.pipeline import Call, Handler, Reply, Services, classify
-from usefulwork.gateway.sse import past_preamble
+from usefulwork.gateway.sse import first_token_in
 
 log = logging.getLogger("usefulwork.mirror")
 
@@ -179,7 +179,7 @@ class MirrorFilter:
                 ctx.status_code = reply.status
                 if reply.chunks is not None:
                     async for out in reply.chunks:
-                        if ctx.t_first_token is None and (call.op != "responses" or past_preamble(out)):
+                        if ctx.t_first_token is None and first_token_in(call.op, out):
                             ctx.t_first_token = time.perf_counter()
                 elif ctx.t_first_token is None:
                     ctx.t_first_token = time.perf_counter()

@@ -28,7 +28,7 @@ from typing import Any, Callable, Coroutine
 from usefulwork.gateway.context import Accountant, RequestContext
 from usefulwork.gateway.errors import GatewayError, error_body, send_error, send_json
 from usefulwork.gateway.pipeline import DISCONNECT, Call, ClientGone, Handler, Reply, classify
-from usefulwork.gateway.sse import DONE_EVENT, ResponsesSSE, SSEFilter, past_preamble
+from usefulwork.gateway.sse import DONE_EVENT, ResponsesSSE, SSEFilter, first_token_in
 from usefulwork.gateway.tenants import Tenants
 from usefulwork.gateway.validation import (parse_json, validate_chat, validate_completion, validate_embeddings,
                                            validate_responses)
@@ -170,7 +170,6 @@ class Endpoint:
         self.intake = intake
         self.op = op
         self.final_marker = b"event: response.completed" if op.name == "responses" else None
-        self.preamble = op.name == "responses"  # events sent before the first token (sse.past_preamble)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["method"] != "POST":
@@ -266,7 +265,7 @@ class Endpoint:
         marker = self.final_marker
         try:
             async for out in reply.chunks:
-                if ctx.t_first_token is None and (not self.preamble or past_preamble(out)):
+                if ctx.t_first_token is None and first_token_in(self.op.name, out):
                     ctx.t_first_token = time.perf_counter()
                     if ctx.on_first_token is not None:
                         ctx.on_first_token()

@@ -111,10 +111,13 @@ def error_event(message: str, code: int = 502, type_: str = "upstream_error") ->
 _PREAMBLE = (b"event: response.created\n", b"event: response.in_progress\n")
 
 
-def past_preamble(chunk: bytes) -> bool:
-    """Whether a Responses stream's chunk holds more than the two events vLLM sends before the prefill
-    (``response.created``, ``response.in_progress``). The first chunk that does is the stream's first
-    token; a chat or completions stream's first chunk is (vLLM sends its role chunk with the first output)."""
+def first_token_in(op: str, chunk: bytes) -> bool:
+    """Whether a stream's chunk, sent before any other did, carries its first token. A chat or completions
+    stream's first chunk does (vLLM sends its role chunk with the first output); a Responses stream's
+    first chunk to hold more than the two events vLLM sends before the prefill (``response.created``,
+    ``response.in_progress``) does."""
+    if op != "responses":
+        return True
     for event in chunk.split(_SEP):
         if event and not event.startswith(_PREAMBLE):
             return True

@@ -257,8 +257,8 @@ class Capacity:
         late tail would (in proportion, at least 10%, at most half, once per service time), from what is in flight
         if that is under the limit; it also holds growth (``_load``) and prices the queue's waits
         (``est_e2e``). Under priority scheduling, with batch work holding slots beyond the SLO limit, the
-        fill limit is cut instead (batch yields first; the SLO limit is what interactive work uses). Called by the queue on every arrival and release (cheap: a look at each replica's
-        scrape counter)."""
+        fill limit is cut instead (batch yields first; the SLO limit is what interactive work uses).
+        Called by the queue on every arrival and release (cheap: a look at each replica's scrape counter)."""
         reps = list(self.replicas())
         seen = {id(r): getattr(r, "scrapes", 0) for r in reps}
         if seen == self._live_seen:
