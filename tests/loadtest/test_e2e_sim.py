@@ -144,6 +144,8 @@ def test_each_case_sends_prompts_of_its_own_so_a_backend_cache_does_not_carry_ov
     data = run_experiment(load_experiment(str(f)), Options(out_dir=tmp_path, quiet=True), Console(quiet=True))
     hits = [c["result"]["backends"]["prefix_hit_rate"] for c in data["cells"]]
     assert len(hits) == 2 and hits == [0.0, 0.0]
+    # each cell says how late the simulator's steps ran (the host's share of its result; /sim/info)
+    assert all(isinstance(c["result"]["backends"]["sim_lag_s"], float) for c in data["cells"])
     assert experiment.cell_seed(0, "128x32", "steady") != experiment.cell_seed(0, "128x32", "again")
     assert experiment.cell_seed(0, "128x32", "steady") != experiment.cell_seed(0, "512x128", "steady")
 

@@ -424,11 +424,18 @@ BACKEND_COUNTERS = {"requests": ("vllm:request_success_total",), "prefix_queries
 
 
 def backend_counters(base_urls: list[str]) -> list[dict[str, float]]:
-    """Each backend's request and prefix-cache counters (for per-replica deltas around a cell)."""
+    """Each backend's request and prefix-cache counters (for per-replica deltas around a cell), and
+    a simulator's ``lag_s`` (``/sim/info``: simulated seconds its steps started late because the host
+    was busy; the simulated GPU idles that long, so a cell with lag ran on a slower GPU than the one
+    named). Real vLLM has no ``/sim/info``: no ``lag_s``."""
     out = []
     for url in base_urls:
         text = httpx.get(f"{url}/metrics", timeout=5.0).text
-        out.append({k: _metric_sum(text, names) for k, names in BACKEND_COUNTERS.items()})
+        row = {k: _metric_sum(text, names) for k, names in BACKEND_COUNTERS.items()}
+        info = httpx.get(f"{url}/sim/info", timeout=5.0)
+        if info.status_code == 200:
+            row["sim_lag_s"] = float(info.json()["lag_s"])
+        out.append(row)
     return out
 
 
@@ -437,11 +444,15 @@ def backend_deltas(urls: list[str], before: list[dict[str, float]], after: list[
     """Per-replica work and prefix-cache hit rate over a cell, and the fleet's figures. With
     ``pools`` (one spec per URL), the share of requests per pool and the price-sheet cost of the
     tokens each pool processed (``prices``: $ per 1M input / output tokens)."""
-    rows = [{"url": u, **{k: a[k] - b[k] for k in BACKEND_COUNTERS}} for u, b, a in zip(urls, before, after)]
+    rows = [{"url": u, **{k: a[k] - b[k] for k in BACKEND_COUNTERS},
+             **({"sim_lag_s": a["sim_lag_s"] - b["sim_lag_s"]} if "sim_lag_s" in a and "sim_lag_s" in b else {})}
+            for u, b, a in zip(urls, before, after)]
     q = sum(r["prefix_queries"] for r in rows)
     reqs = [r["requests"] for r in rows]
     out: dict[str, Any] = {"replicas": rows, "prefix_hit_rate": sum(r["prefix_hits"] for r in rows) / q if q else None,
                            "replica_requests_max_min": max(reqs) / min(reqs) if reqs and min(reqs) > 0 else None}
+    if rows and all("sim_lag_s" in r for r in rows):
+        out["sim_lag_s"] = max(r["sim_lag_s"] for r in rows)
     if pools:
         by_pool: dict[str, dict[str, float]] = {}
         for r, spec in zip(rows, pools):
@@ -596,6 +607,13 @@ def _cache_line(result: dict[str, Any]) -> str:
             f"(+ embedding {c['embed_ms_per_request']:.2f} ms/request, off the event loop)")
 
 
+def _lag_line(result: dict[str, Any]) -> str:
+    lag = (result.get("backends") or {}).get("sim_lag_s")
+    if not lag:
+        return ""
+    return f", simulator lag {lag:.2f} s simulated (steps started late: the host was busy)"
+
+
 def ratios(exp: Experiment, cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
     base = exp.compare.get("baseline", "naive-single")
     cand = exp.compare.get("candidate", "optimized-batched")
@@ -716,7 +734,7 @@ def run_experiment(exp: Experiment, opts: Options, console: Console) -> dict[str
                     console.print(f"  {shape['name']} {case.name} / {profile.name}: {r['completed']} ok / "
                                   f"{r['dropped']} dropped, p95 {r['p95_e2el_ms'] / 1000:.2f}s, "
                                   f"$/1K ok {r['usd_per_1k_successful']}, SLO {'pass' if r['slo_passed'] else 'miss'}"
-                                  + _cache_line(r), highlight=False)
+                                  + _cache_line(r) + _lag_line(r), highlight=False)
                     write_json(out_dir / "results.json", data)  # partial results survive a crash
             finally:
                 t_stop = time.monotonic()

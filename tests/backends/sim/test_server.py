@@ -251,3 +251,30 @@ def test_a_chat_stream_sends_its_role_chunk_with_the_first_token_as_vllm_does(a1
     assert chunks[1]["choices"][0]["delta"]["content"]
     prefill = times[1] - t_head  # a 6,000-token prefill on the simulated A100 at time scale 2: ~0.2 s
     assert prefill > 0.1 and times[0] - t_head > 0.8 * prefill and times[1] - times[0] < 0.2 * prefill
+
+
+def test_steps_the_host_starts_late_are_counted_as_lag():
+    """The wall-clock simulator idles its GPU while its event loop is busy elsewhere: ``lag_s`` (GET
+    /sim/info, and per cell in the loadtest's results) counts that time, so a run on a busy host says
+    it ran on a slower GPU than the one named. A request decoding on a loop blocked for 0.3 s (a real
+    ``time.sleep`` on the loop, not a fake clock) shows ~0.3 s x time_scale of lag; the same request on
+    a free loop shows next to none."""
+    from usefulwork.backends.sim.engine import SimEngine
+    from usefulwork.backends.sim.realtime import RealtimeRunner
+
+    async def run(block_s: float) -> float:
+        runner = RealtimeRunner(SimEngine(build_spec("A100-80G", "Llama-3.1-8B")), time_scale=2.0)
+        runner.start()
+        try:
+            req = runner.submit(list(range(1000, 1064)), 200, ignore_eos=True)
+            await asyncio.sleep(0.1)  # decoding: a step every ~10 ms of wall time
+            time.sleep(block_s)  # the host busy with something else: no step starts meanwhile
+            while req.finish_time is None:
+                await asyncio.sleep(0.01)
+            return runner.lag_s
+        finally:
+            await runner.stop()
+
+    free, blocked = asyncio.run(run(0.0)), asyncio.run(run(0.3))
+    assert free < 0.2  # (a busy CI host delays a few steps by a few ms)
+    assert 0.55 <= blocked <= 0.9  # 0.3 s of wall time at time_scale 2 (0.6 s simulated), plus such delays
