@@ -335,6 +335,32 @@ def test_capacity_grows_fast_from_cold_then_backs_off_on_slow_service():
     assert cap.drain_rate() == pytest.approx(cap.current() / max(cap.service, cap.service_full or 0.0))
 
 
+def test_the_full_pools_service_time_learns_only_from_answers_that_ran_in_a_full_pool():
+    """A request admitted into a full pool as a burst ends runs while the pool drains: quicker than a
+    full pool holds a slot. Counted as a full-pool sample (the test was the count at admission only),
+    such answers set the full pool's service time the next burst was priced with: on the virtual clock
+    the second burst's queue promised slots held 2.5 s that were held 3.5-3.9 s, and requests queued on
+    that promise were shed at their latest start. Now a sample counts only if the pool was still full
+    (>= 90% of the limit) when it ended; the queue records the count at release."""
+    q = make_queue(limit=10, service_s=1.0)
+    cap = q.capacity
+    assert [q.offer(ticket(0.0), 0.0).kind for _ in range(10)] == ["admit"] * 10
+    by_count = {t.inflight_at_admit: t for t in q.running}  # 0..9 others in flight when admitted
+    # admitted into the full pool (8 others) and ended with the other nine still running: a full pool's hold
+    q.release(by_count[8], 3.5, Sample(ttft=0.2, tpot=0.025, service=3.5, tokens=640, ok=True, inflight_at_admit=8))
+    assert cap.service_full == pytest.approx(3.5)
+    for i in range(8):  # the pool drains (ended without a sample: nothing else is learnt meanwhile)
+        q.release(by_count[i], 3.6)
+    # admitted into the full pool (9 others), ended alone: it ran while the pool drained
+    q.release(by_count[9], 3.7, Sample(ttft=0.2, tpot=0.012, service=2.0, tokens=640, ok=True, inflight_at_admit=9))
+    assert q.inflight == 0
+    assert cap.service_full == pytest.approx(3.5)  # said nothing of a full pool
+    assert cap.tpot_full == pytest.approx(0.025)
+    # a caller that does not go through the queue's release (no count at the end): the admission count alone
+    cap.observe(Sample(ttft=0.2, tpot=0.012, service=2.0, tokens=640, ok=True, inflight_at_admit=int(cap.limit)), 5.0)
+    assert cap.service_full < 3.5
+
+
 def test_answers_admitted_before_a_cut_do_not_cut_the_limit_again():
     # One answer in ten takes 6 s: the E2E tail passes its 3.75 s target and the limit is cut. The
     # slow answers of requests admitted before the cut keep arriving for 6 s, long after the mean

@@ -75,6 +75,7 @@ class Sample:
     ok: bool  # ended with a complete answer (an error or cancel is not a service sample)
     inflight_at_admit: int  # requests in flight when it was admitted (was the limit being tested?)
     cls: int = 0  # its priority class (0 interactive)
+    inflight_at_end: int | None = None  # the others still in flight when it ended (set by the queue)
 
 
 class Capacity:
@@ -107,7 +108,10 @@ class Capacity:
         self.ttft_dev: float = 0.0  # EWMA of |TTFT - mean|
         self.ttft_floor: float | None = None  # the lowest running mean of service TTFT seen: the unloaded TTFT
         self.tpot: float | None = None
-        self.tpot_full: float | None = None  # EWMA of TPOT of requests admitted into a full pool (>= 90% of the limit)
+        # EWMA of TPOT of requests that ran in a full pool: >= 90% of the limit in flight when they were
+        # admitted and when they ended (``Sample.inflight_at_end``: those admitted as a burst ended ran
+        # while the pool drained, quicker than a full pool holds a slot)
+        self.tpot_full: float | None = None
         self.live_tpot: float | None = None  # the slowest replica's inter-token latency now (Replica.itl_live; see judge_live)
         self.live_tpot_mean: float | None = None  # the replicas' mean of it (what one request, on one replica, decodes at)
         self._live_seen: dict[int, int] = {}  # id(replica) -> its scrape count when last judged
@@ -361,7 +365,9 @@ class Capacity:
         n = self.count()
         if s.tpot is not None:
             self.tpot = _ewma(self.tpot, s.tpot)
-            if (s.inflight_at_admit + 1) / n >= 0.9 * self.limit:
+            full = 0.9 * self.limit
+            if ((s.inflight_at_admit + 1) / n >= full
+                    and (s.inflight_at_end is None or (s.inflight_at_end + 1) / n >= full)):
                 self.tpot_full = _ewma(self.tpot_full, s.tpot)
                 self.service_full = _ewma(self.service_full, s.service)
         self._learn_fill(s, now, n)

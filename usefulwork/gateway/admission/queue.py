@@ -661,6 +661,7 @@ class PoolQueue:
             self.counters[t.tenant] = self.counters.get(t.tenant, 0.0) + delta
             t.charged += delta
         if sample is not None:
+            sample.inflight_at_end = self.inflight
             self.capacity.observe(sample, now)
         self.capacity.judge_live(now, self.inflight + 1)  # (what ran until now)
         return self.pump(now)
