@@ -890,8 +890,10 @@ def _priority_queue(low_band_prefills: int, priority_scheduling: bool = True, li
 @pytest.mark.parametrize("case", ["gated", "off", "fcfs", "no-top-band-work"])
 def test_low_band_prompts_go_one_at_a_time_while_interactive_work_is_about(case):
     q = _priority_queue(0 if case == "off" else 1, priority_scheduling=case != "fcfs")
+    inter = ticket(0.0, "a", cls=0)
     if case != "no-top-band-work":
-        assert q.offer(ticket(0.0, "a", cls=0), 0.0).kind == "admit"  # top-band work seen
+        assert q.offer(inter, 0.0).kind == "admit"  # top-band work seen
+        q.first_token(inter, 0.1)  # (a TTFT of one prefill: the prefill estimate stays 0.1 s)
     batch = [ticket(0.1, "a", cls=1, deadline_s=60) for _ in range(3)]
     kinds = [q.offer(t, 0.1).kind for t in batch]
     if case != "gated":
@@ -900,8 +902,12 @@ def test_low_band_prompts_go_one_at_a_time_while_interactive_work_is_about(case)
     # one batch prompt pending in vLLM; the others wait in the gateway, told a prefill's wait each
     assert kinds == ["admit", "queue", "queue"] and q.pending_low == 1
     assert q.predict_wait(ticket(0.1, "a", cls=1, deadline_s=60), 0.1) == pytest.approx(0.3)
-    assert q.offer(ticket(0.2, "a", cls=0), 0.2).kind == "admit"  # interactive is not gated by it
-    assert q.first_token(batch[0], 0.25) == [batch[1]] and q.pending_low == 1  # its first token: the next goes
+    inter2 = ticket(0.2, "a", cls=0)
+    assert q.offer(inter2, 0.2).kind == "admit"  # interactive is not gated by it
+    # the batch prompt's first token: the next one waits while the interactive prompt is pending (sent
+    # now it would share that prompt's engine step), and goes with its first token
+    assert q.first_token(batch[0], 0.25) == [] and q.pending_low == 0
+    assert q.first_token(inter2, 0.27) == [batch[1]] and q.pending_low == 1
     q.release(batch[1], 0.3)  # (ended before its first token was seen: the place frees too)
     assert batch[2].state == "admitted" and q.stats()["prefill_pending_low_band"] == 1
     # no interactive offer for tenant_active_s: batch is not held back any more
@@ -918,13 +924,16 @@ def test_a_tenant_over_its_fair_share_is_low_band_while_a_quiet_tenant_is_about(
         q.first_token(t, 0.05)
     quiet = ticket(0.1, "quiet")
     assert q.offer(quiet, 0.1).kind == "admit" and not quiet.low_band
+    assert q.low_band_free(0, "heavy") == 0  # its prompt is pending: heavy's would share its step
+    q.first_token(quiet, 0.15)
     # two tenants about: a share of 5 each, heavy holds 6; slots are free, but one low-band prompt at a time
     more = [ticket(0.2, "heavy", deadline_s=100) for _ in range(2)]
     assert [q.offer(t, 0.2).kind for t in more] == ["admit", "queue"] and more[0].low_band
     assert q.slot_free(0, "heavy") > 0 and q.low_band_free(0, "heavy") == 0
     quiet2 = ticket(0.2, "quiet")
     assert q.offer(quiet2, 0.2).kind == "admit"  # the quiet tenant's prompt is not held back
-    assert q.first_token(more[0], 0.3) == [] and q.low_band_free(0, "heavy") == 1  # (its slots are taken now)
+    assert q.first_token(more[0], 0.3) == [] and q.low_band_free(0, "heavy") == 0  # quiet2 is pending
+    assert q.first_token(quiet2, 0.32) == [] and q.low_band_free(0, "heavy") == 1  # (its slots are taken now)
     assert q.release(heavy[0], 0.4) == [more[1]]
     # the quiet tenant's work is done: it still counts toward the shares for tenant_active_s (heavy stays
     # over its share), but there is nobody left to protect, so heavy's prompts are not held one at a time

@@ -44,8 +44,8 @@ class AdmissionCfg(BaseModel):
                                    "work (interactive, of a tenant within its fair share) was offered in the last "
                                    "tenant_active_s, low-band work (batch and sheddable, or a tenant over its fair share) "
                                    "keeps at most this many prompts per replica pending in vLLM (sent, no first token "
-                                   "yet; a tenant over its share only while another tenant has work in the pool), so an interactive prompt does not share its engine step with a full token "
-                                   "budget of theirs (0: off).")
+                                   "yet; a tenant over its share only while another tenant has work in the pool), and none while a top-band prompt is "
+                                   "pending, so an interactive prompt does not share its engine step with theirs (0: off).")
     max_queue: int = Field(4096, ge=0, description="Queued requests per pool beyond which new ones are shed.")
     retry_return_prior: float = Field(0.5, ge=0, le=1, description="Share of a tenant's shed requests assumed to come "
                                       "back at their Retry-After before any of its held places has ended (counted as one "
