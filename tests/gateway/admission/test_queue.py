@@ -915,6 +915,28 @@ def test_low_band_prompts_go_one_at_a_time_while_interactive_work_is_about(case)
     assert [q.offer(t, 31.0).kind for t in late] == ["admit", "admit"]
 
 
+def test_a_unary_interactive_prompt_holds_batch_back_only_for_its_estimated_prefill():
+    """Batch prompts wait while a top-band prompt is pending. A unary answer's first token is never seen:
+    its place is deemed free after its estimated prefill, and before any prefill time is known (no stream
+    has taught one) it would be held for the whole answer, so batch work is not held back for it then."""
+    q = _priority_queue(1)
+    q.capacity.prefill_each = None  # nothing learnt yet
+    inter = ticket(0.0, "a", cls=0)
+    inter.stream = False
+    assert q.offer(inter, 0.0).kind == "admit" and q.pending == 1
+    b = ticket(0.1, "a", cls=1, deadline_s=60)
+    assert q.offer(b, 0.1).kind == "admit"  # not held behind a place that frees only when the answer ends
+    q.release(b, 0.2)
+    q.release(inter, 0.3)
+    q.capacity.prefill_each = 0.1  # learnt from streams: a unary place frees after its estimated prefill
+    inter2 = ticket(1.0, "a", cls=0)
+    inter2.stream = False
+    assert q.offer(inter2, 1.0).kind == "admit"
+    b2 = ticket(1.0, "a", cls=1, deadline_s=60)
+    assert q.offer(b2, 1.0).kind == "queue"  # held while the interactive prompt is deemed in prefill
+    assert q.pump(1.1) == [b2]  # its prefill is deemed done (0.1 s): the batch prompt goes
+
+
 def test_a_tenant_over_its_fair_share_is_low_band_while_a_quiet_tenant_is_about():
     q = _priority_queue(1, limit=10)
     heavy = [ticket(0.0, "heavy", deadline_s=100) for _ in range(6)]

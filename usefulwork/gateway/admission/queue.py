@@ -188,12 +188,14 @@ class PoolQueue:
                 return None
         elif tenant is None or not self.low_band(0, tenant) or not self._others_in_pool(tenant):
             return None
-        if self.pending > self.pending_low:
+        if self.pending > self.pending_low and self.capacity.prefill_each is not None:
             # A top-band prompt is pending: a low-band one sent now would wait in vLLM beside it and share
             # its step (the step's budget fits both), doubling its prefill; it goes when that first token
             # comes. (Virtual clock, six seeds: the priority cell's worst interactive TTFT p99 went from
             # 1.80x to 1.28x of its arrivals alone, the engine's tokens/s unchanged: docs/benchmarks.md
-            # section 7, session 23.)
+            # section 7, session 23.) Not before a prefill time is known: a unary prompt's place is then
+            # held until its answer ends, and unary interactive traffic would hold batch work back for
+            # whole answers instead of prefills.
             return 0
         return self.low_band_prefills * self.capacity.count() - self.pending_low
 
