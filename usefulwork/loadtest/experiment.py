@@ -423,18 +423,17 @@ BACKEND_COUNTERS = {"requests": ("vllm:request_success_total",), "prefix_queries
                     "generation_tokens": ("vllm:generation_tokens_total",)}
 
 
-def backend_counters(base_urls: list[str]) -> list[dict[str, float]]:
-    """Each backend's request and prefix-cache counters (for per-replica deltas around a cell), and
-    a simulator's ``lag_s`` (``/sim/info``: simulated seconds its steps started late because the host
-    was busy; the simulated GPU idles that long, so a cell with lag ran on a slower GPU than the one
-    named). Real vLLM has no ``/sim/info``: no ``lag_s``."""
+def backend_counters(base_urls: list[str], sim: bool = False) -> list[dict[str, float]]:
+    """Each backend's request and prefix-cache counters (for per-replica deltas around a cell), and with
+    ``sim`` the simulator's ``lag_s`` (``/sim/info``: simulated seconds its steps started late because
+    the host was busy; the simulated GPU idles that long, so a cell with lag ran on a slower GPU than the
+    one named)."""
     out = []
     for url in base_urls:
         text = httpx.get(f"{url}/metrics", timeout=5.0).text
         row = {k: _metric_sum(text, names) for k, names in BACKEND_COUNTERS.items()}
-        info = httpx.get(f"{url}/sim/info", timeout=5.0)
-        if info.status_code == 200:
-            row["sim_lag_s"] = float(info.json()["lag_s"])
+        if sim:
+            row["sim_lag_s"] = float(httpx.get(f"{url}/sim/info", timeout=5.0).json()["lag_s"])
         out.append(row)
     return out
 
@@ -714,17 +713,19 @@ def run_experiment(exp: Experiment, opts: Options, console: Console) -> dict[str
                     gateway.start()
                     url = gateway.base_url
                 started = time.monotonic() - t_prof
+                sim = exp.backend["kind"] == "sim"  # (its /sim/info tells each cell's lag)
                 console.print(f"[bold]{profile.name}[/]: ready in {started:.0f}s (driving {url})")
                 for p, shape, case in cells_plan:
                     if p is not profile:
                         continue
                     for b in backends:
                         wait_idle(b.base_url)
-                    before = backend_counters([b.base_url for b in backends])
+                    before = backend_counters([b.base_url for b in backends], sim)
                     result = run_cell(exp, profile, shape, case, url, opts.use_gateway,
                                       None if opts.quiet else console)
                     result["backends"] = backend_deltas([b.base_url for b in backends], before,
-                                                        backend_counters([b.base_url for b in backends]), backend_specs)
+                                                        backend_counters([b.base_url for b in backends], sim),
+                                                        backend_specs)
                     sheet = result["backends"].get("usd_price_sheet")
                     if sheet is not None and result.get("completed"):
                         result["backends"]["usd_price_sheet_per_1k_successful"] = sheet / result["completed"] * 1e3
