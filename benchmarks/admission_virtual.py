@@ -15,6 +15,7 @@ that met the SLO (10-13 req/s).
     python benchmarks/admission_virtual.py                          # the shipped defaults
     python benchmarks/admission_virtual.py --rule tail:0.75 --rule tail:0.9 --rule mean:0.7
     python benchmarks/admission_virtual.py --classes --seeds 1-6    # the priority and fairness cells
+    python benchmarks/admission_virtual.py --retry --seeds 1-6      # the burst-retry cell
 
 ``--classes`` runs the experiment's priority cell (24 req/s, one interactive request for three batch ones)
 and fairness cell (four equal-weight tenants, one sending 30x) on the same clock
@@ -22,6 +23,12 @@ and fairness cell (four equal-weight tenants, one sending 30x) on the same clock
 prefill gate off (``low_band_prefills: 0``): interactive TTFT p99 against the same interactive arrivals
 alone, the engine's output tokens/s against admission off, each quiet tenant's TTFT p99 against its
 arrivals alone.
+
+``--retry`` runs the experiment's ``burst-retry`` cell on the same clock, per seed: the capacity-13 cell's
+40 s at 13 req/s from clients that never retry (as the wall-clock experiment warms the gateway), 20 s at
+2 req/s, then the burst's first period (25 req/s for 9 s, 2 req/s after) from another tenant's clients,
+which wait out Retry-After and retry up to 3 times: the share of first retries admitted (target >= 80%),
+and the SLO attainment of the answers served, each attempt timed from its own send.
 
 ``mean:F`` judges the limit on the running means under F x SLO (the rule before 2026-11-22);
 ``tail:F`` on the p95 of the recent window under F x SLO (the shipped rule; F = target_fraction).
@@ -140,6 +147,49 @@ def classes(seeds: list[int]) -> dict[str, Any]:
     return data
 
 
+RETRY_WARM_S = 60.0  # the capacity-13 cell (40 s) and a quiet 20 s before the burst-retry cell
+
+
+@dataclass(frozen=True)
+class RetryCell(autoscale.Day):
+    def rate_at(self, t: float) -> float:
+        if t < RETRY_WARM_S:
+            return 13.0 if t < 40.0 else 2.0
+        return self.peak_rate if t - RETRY_WARM_S < 9.0 else self.base_rate
+
+
+def retry_cell(seed: int, cfg: AdmissionCfg | None = None) -> dict[str, Any]:
+    """The burst-retry cell on the virtual clock (see the module's docstring)."""
+    day = RetryCell(day_s=RETRY_WARM_S + 45.0, base_rate=2.0, peak_rate=25.0, burstiness=1.0, seed=seed)
+    if cfg is not None:
+        autoscale.AdmissionCfg = lambda: cfg
+    sim = autoscale.Simulation(autoscale.Policy("one", "one replica", fixed=1, admission=True), day,
+                               autoscale.Fleet(), autoscale.Client(max_retries=3), autoscale.SLO)
+    sim.clients = lambda t0: ("default", 0) if t0 < RETRY_WARM_S else ("retrying", None)
+    sim.run()
+    reqs = [r for r in sim.requests if r.t0 >= RETRY_WARM_S]
+    retried = [r for r in reqs if r.first_retry]
+    served = [r for r in reqs if r.outcome == "ok"]
+    slo = autoscale.SLO
+    ok = sum(1 for r in served if r.ttft - (r.sent - r.t0) <= slo.ttft_ms / 1e3 and r.e2e - (r.sent - r.t0) <= slo.e2e_ms / 1e3)
+    return {"sent": len(reqs), "served": len(served), "first_retries": len(retried),
+            "admitted_on_first_retry": sum(1 for r in retried if r.first_retry == "admitted"),
+            "attainment_served": ok / len(served) if served else None}
+
+
+def retries(seeds: list[int]) -> dict[str, Any]:
+    data = {seed: retry_cell(seed) for seed in seeds}
+    print("| seed | sent | served | first retries | admitted on the first retry | attainment of served (per attempt) |")
+    print("|---|---|---|---|---|---|")
+    for seed, r in data.items():
+        print(f"| {seed} | {r['sent']} | {r['served']} | {r['first_retries']} | {r['admitted_on_first_retry']} "
+              f"({r['admitted_on_first_retry'] / max(1, r['first_retries']):.1%}) | {r['attainment_served']:.1%} |")
+    n = sum(r["first_retries"] for r in data.values())
+    a = sum(r["admitted_on_first_retry"] for r in data.values())
+    print(f"all seeds: {a} of {n} first retries admitted ({a / max(1, n):.1%})")
+    return data
+
+
 def _parts(x: dict[str, float] | None) -> str:
     if not x:
         return "-"
@@ -152,8 +202,14 @@ def main() -> int:
     ap.add_argument("--rule", action="append", default=None, help="mean:F or tail:F (default: the shipped tail rule)")
     ap.add_argument("--json", type=Path, default=None, help="write the figures here")
     ap.add_argument("--classes", action="store_true", help="the priority and fairness cells instead of bursts and steady load")
-    ap.add_argument("--seeds", default="1-6", help="with --classes: seeds, e.g. 1-6")
+    ap.add_argument("--retry", action="store_true", help="the burst-retry cell instead of bursts and steady load")
+    ap.add_argument("--seeds", default="1-6", help="with --classes or --retry: seeds, e.g. 1-6")
     args = ap.parse_args()
+    if args.retry:
+        data = retries(_seeds(args.seeds))
+        if args.json:
+            args.json.write_text(json.dumps(data, indent=1))
+        return 0
     if args.classes:
         data = classes(_seeds(args.seeds))
         if args.json:

@@ -116,3 +116,24 @@ def test_the_gateway_policy_target_is_three_quarters_of_what_a_replica_holds_at_
     e2e = [r.e2e for r in sim.requests if r.e2e is not None]
     in_flight = fleet.replica_capacity_rps * sum(e2e) / len(e2e)
     assert 0.65 <= autoscale.GATEWAY_QUEUE_TARGET / in_flight <= 0.85, in_flight
+
+
+def test_clients_set_each_requests_tenant_and_retries_and_the_first_retry_is_recorded():
+    """The burst-retry cell of benchmarks/admission_virtual.py: clients of one tenant never retry, another
+    tenant's clients wait out Retry-After; every first retry ends admitted or shed, and only the
+    retrying tenant's places are learnt as taken back."""
+    from usefulwork.loadtest.autoscale import SLO, Policy, Simulation
+
+    day = Day(day_s=30.0, base_rate=24.0, peak_rate=24.0, seed=1)  # 2x one replica's capacity, 6x from 9 "h" (11 s)
+    sim = Simulation(Policy("one", "one replica", fixed=1, admission=True), day, FLEET, Client(max_retries=3), SLO)
+    sim.clients = lambda t0: ("gone", 0) if t0 < 10.0 else ("back", None)
+    r = sim.run()
+    assert r["sheds"] > 0
+    gone = [q for q in sim.requests if q.t0 < 10.0]
+    back = [q for q in sim.requests if q.t0 >= 10.0]
+    assert all(q.tenant == "gone" and q.attempts == 1 and not q.first_retry for q in gone)
+    retried = [q for q in back if q.attempts > 1]
+    assert len(retried) > 20 and all(q.first_retry in ("admitted", "shed") for q in retried)
+    assert all(q.first_retry == "" for q in back if q.attempts == 1)
+    assert {q.first_retry for q in retried} == {"admitted", "shed"}  # (this much overload sheds some again)
+    assert sim.queue.return_rate("back") > 0.5 > sim.queue.return_rate("gone")

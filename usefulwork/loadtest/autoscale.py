@@ -41,7 +41,7 @@ import os
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -195,6 +195,9 @@ class Req:
     id: int
     t0: float
     attempts: int = 0
+    tenant: str = "default"
+    max_retries: int | None = None  # None: the client's
+    first_retry: str = ""  # its first retry: "admitted" (dispatched), "shed" ("" when none)
     outcome: str | None = None  # ok | timeout | shed | error
     ttft: float | None = None
     e2e: float | None = None
@@ -210,6 +213,8 @@ class Simulation:
     def __init__(self, policy: Policy, day: Day, fleet: Fleet, client: Client, slo: SLOSpec):
         self.policy, self.day, self.fleet, self.client, self.slo = policy, day, fleet, client, slo
         self.spec = build_spec(gpu=fleet.gpu, model=fleet.model, profile=fleet.sim_profile)
+        # (tenant, max retries or None for the client's) of a request first sent at t0; None: all "default"
+        self.clients: Callable[[float], tuple[str, int | None]] | None = None
         self.now = 0.0
         self.replicas: list[Replica] = []
         self._next_id = 0
@@ -288,7 +293,7 @@ class Simulation:
         if self.queue is None:
             self._dispatch(req)
             return
-        t = Ticket("default", 0, float(self.day.prompt_tokens + self.day.output_tokens), self.now,
+        t = Ticket(req.tenant, 0, float(self.day.prompt_tokens + self.day.output_tokens), self.now,
                    self.now + self.deadline_s, max_tokens=self.day.output_tokens, key=req.id + 1)
         t.waiter = req
         req.ticket = t
@@ -311,12 +316,17 @@ class Simulation:
         self._wake(self.queue.pump(self.now))
 
     def _shed(self, req: Req, retry_after_s: float) -> None:
-        if req.attempts <= self.client.max_retries and retry_after_s <= self.client.max_retry_after_s:
+        if req.attempts == 2 and not req.first_retry:
+            req.first_retry = "shed"
+        retries = self.client.max_retries if req.max_retries is None else req.max_retries
+        if req.attempts <= retries and retry_after_s <= self.client.max_retry_after_s:
             self._push_send(self.now + retry_after_s, req)
         else:
             self._end(req, "shed")
 
     def _dispatch(self, req: Req) -> None:
+        if req.attempts == 2 and not req.first_retry:
+            req.first_retry = "admitted"
         serving = self._serving()
         if not serving:
             self._end(req, "error")
@@ -413,6 +423,8 @@ class Simulation:
         cpu0 = time.process_time()
         for i, t in enumerate(self.day.arrivals()):
             req = Req(i, float(t))
+            if self.clients is not None:
+                req.tenant, req.max_retries = self.clients(req.t0)
             self.requests.append(req)
             self._push_send(float(t), req)
         next_sync = SYNC_PERIOD_S if self.hpa is not None else math.inf
