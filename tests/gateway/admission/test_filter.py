@@ -296,6 +296,19 @@ def test_tpm_counts_actual_tokens_and_refuses_oversized_request():
     assert n in (8, 9) and statuses[:n] == [200] * n and statuses[n:] == [429] * (12 - n)
 
 
+def test_answers_teach_the_pool_the_length_a_large_max_tokens_is_priced_at():
+    f = make_filter(make_cfg())
+
+    async def go():
+        for _ in range(20):
+            r = await f(make_call(f, max_tokens=4096), Backend(completion_tokens=37))
+            await r.aclose()
+
+    asyncio.run(go())
+    cap = f.queues["p"].capacity
+    assert len(cap.recent_out) == 20 and cap.est_output(4096) == 37  # the backend's count, not max_tokens
+
+
 def test_degrade_caps_max_tokens_instead_of_shedding():
     tenants = {"t": {"key_hashes": [hash_key("k")], "degrade": {"max_tokens": 8}}}
     f = make_filter(make_cfg(admission={"initial_concurrency": 1, "max_concurrency": 1}, tenants=tenants,

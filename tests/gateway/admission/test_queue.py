@@ -560,6 +560,33 @@ def test_a_queued_request_is_priced_at_the_replicas_mean_decode_speed_and_the_li
     assert cap.decreases == cap.live_decreases == 1  # 100 ms on one replica: over target, cut
 
 
+def test_a_large_max_tokens_is_priced_at_the_length_of_the_pools_answers():
+    """Clients often send a max_tokens they never use. Priced at 4,096 tokens a request could never
+    wait under the 5 s E2E SLO: it was shed whenever the pool was full, while every answer took ~60
+    tokens. Once 20 answers have ended, the E2E bound prices it at their 95th percentile (a smaller
+    max_tokens stays as asked; a pool with fewer answers prices the max_tokens)."""
+    def queue_with_answers(n: int) -> PoolQueue:
+        q = make_queue(limit=4, service_s=None)
+        for i in range(n):
+            q.capacity.observe(Sample(0.1, 0.01, 0.7, 600, True, inflight_at_admit=0, completion=40 + i % 21), float(i))
+        return q
+
+    def offer_behind_a_full_pool(q: PoolQueue, max_tokens: int) -> str:
+        for _ in range(4):
+            assert q.offer(ticket(100.0), 100.0).kind == "admit"
+        t = ticket(100.0)
+        t.max_tokens = max_tokens
+        return q.offer(t, 100.0).kind
+
+    q = queue_with_answers(19)
+    assert q.capacity.est_output(4096) == 4096
+    assert offer_behind_a_full_pool(q, 4096) == "shed"  # 4,096 x 10 ms of decode alone is past the E2E SLO
+    q = queue_with_answers(100)
+    assert q.capacity.est_output(4096) == 59  # the 5th largest of 100 answers of 40..60 tokens
+    assert q.capacity.est_output(32) == 32 and q.capacity.est_output(None) is None
+    assert offer_behind_a_full_pool(q, 4096) == "queue"  # a 0.7 s wait for a slot fits: queued, not shed
+
+
 def test_cold_pool_assumes_a_slot_is_held_for_the_whole_e2e_slo():
     q = make_queue(limit=2, service_s=None)
     assert q.capacity.drain_rate() == pytest.approx(2 / 5.0)

@@ -76,6 +76,7 @@ class Sample:
     inflight_at_admit: int  # requests in flight when it was admitted (was the limit being tested?)
     cls: int = 0  # its priority class (0 interactive)
     inflight_at_end: int | None = None  # the others still in flight when it ended (set by the queue)
+    completion: int | None = None  # its completion tokens (None: the backend did not count them)
 
 
 class Capacity:
@@ -122,6 +123,7 @@ class Capacity:
         self.tokens: float | None = None  # EWMA of tokens per request
         self.recent_ttft = Window(cfg.tail_window)  # the tail's window (successes)
         self.recent_e2e = Window(cfg.tail_window)
+        self.recent_out = Window(cfg.tail_window)  # completion tokens of recent answers (``est_output``)
         self.samples = 0
         self.decreases = 0
         self.batch_decreases = 0
@@ -244,9 +246,21 @@ class Capacity:
         what-if's day, six replicas at its peak, made 2,166 shed decisions instead of 1,669 and failed 526
         requests instead of 396.)"""
         tpot = max(self.tpot or 0.0, self.tpot_full or 0.0, self.live_tpot_mean or 0.0) or None
-        if tpot is not None and max_tokens:
-            return self.est_ttft() + tpot * max(0, max_tokens - 1)
+        out = self.est_output(max_tokens)
+        if tpot is not None and out:
+            return self.est_ttft() + tpot * max(0, out - 1)
         return (self.service or 0.0) + 2.0 * self.service_dev
+
+    def est_output(self, max_tokens: int | None) -> int | None:
+        """Completion tokens a request that may produce ``max_tokens`` should budget for: ``max_tokens``, or
+        the 95th percentile of the pool's recent answers (once there are 20) where that is less. Many
+        clients send a large ``max_tokens`` they never use: priced at 4,096 tokens, such a request could
+        never queue under a 5 s E2E SLO and was shed whenever the pool was full, while its answers, like
+        everyone's, took 200."""
+        n = len(self.recent_out)
+        if max_tokens is None or n < 20:
+            return max_tokens
+        return min(max_tokens, int(self.recent_out.largest(max(1, n // 20))))
 
     # -- writes --
     def judge_live(self, now: float, inflight: int) -> None:
@@ -350,6 +364,8 @@ class Capacity:
         if not s.ok:
             return  # failures say nothing about the pool's speed
         self.samples += 1
+        if s.completion:
+            self.recent_out.append(float(s.completion))
         if s.ttft is not None:
             if self.svc_ttft is not None:
                 self.ttft_dev = _ewma(self.ttft_dev, abs(s.ttft - self.svc_ttft))

@@ -331,7 +331,8 @@ class AdmissionFilter:
                             # (the endpoint classifies the outcome after closing: read the status)
                             tokens=ctx.prompt_tokens + ctx.completion_tokens,
                             ok=ok and ctx.status_code < 400 and ctx.t_first_token is not None,
-                            inflight_at_admit=t.inflight_at_admit, cls=t.cls)
+                            inflight_at_admit=t.inflight_at_admit, cls=t.cls,
+                            completion=ctx.completion_tokens if ctx.usage_source != "none" else None)
         actual = ctx.prompt_tokens + ctx.completion_tokens if ctx.usage_source != "none" else None
         self._dispatch(queue, queue.release(t, now, sample, actual))
 
