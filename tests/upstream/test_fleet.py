@@ -13,13 +13,15 @@ vllm:time_to_first_token_seconds_bucket{le="0.001"} 0.0
 vllm:inter_token_latency_seconds_bucket{engine="0",le="0.01",model_name="m"} 0.0
 vllm:inter_token_latency_seconds_sum{engine="0",model_name="m"} 12.5
 vllm:inter_token_latency_seconds_count{engine="0",model_name="m"} 250.0
+vllm:request_prefill_time_seconds_sum{engine="0",model_name="m"} 3.5
+vllm:request_prefill_time_seconds_count{engine="0",model_name="m"} 50.0
 """
 
 
 def test_parse_metrics_reads_vllm_v1_names():
     m = parse_metrics(METRICS)
     assert m == {"running": 3.0, "waiting": 2.0, "kv_usage": 0.25, "prefix_queries": 100.0, "prefix_hits": 40.0,
-                 "itl_sum": 12.5, "itl_count": 250.0}
+                 "itl_sum": 12.5, "itl_count": 250.0, "prefill_sum": 3.5, "prefill_count": 50.0}
 
 
 def test_live_inter_token_latency_is_the_mean_over_the_last_scrape_intervals():
@@ -40,6 +42,18 @@ def test_live_inter_token_latency_is_the_mean_over_the_last_scrape_intervals():
     assert r.itl_live is None  # 10 tokens: too few for a figure
     r.take_metrics({"itl_sum": 0.4 + 40 * 0.05, "itl_count": 50.0})
     assert abs(r.itl_live - 0.05) < 1e-9
+
+
+def test_live_prefill_time_is_the_mean_over_the_last_scrape_intervals():
+    r = _fleet().pools["p"].replicas[0]
+    r.take_metrics({"prefill_sum": 3.5, "prefill_count": 50.0})
+    assert r.prefill_live is None  # a first read has no interval
+    r.take_metrics({"prefill_sum": 3.5 + 0.08, "prefill_count": 51.0})
+    assert r.prefill_live is None  # one prefill: too few for a figure
+    r.take_metrics({"prefill_sum": 3.5 + 0.08 + 3 * 0.12, "prefill_count": 54.0})
+    assert abs(r.prefill_live - (0.08 + 3 * 0.12) / 4) < 1e-9  # per prefill, over the intervals
+    r.take_metrics({"prefill_sum": 0.1, "prefill_count": 1.0})
+    assert r.prefill_live is None  # the server restarted
 
 
 def _fleet():

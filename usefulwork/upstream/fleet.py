@@ -40,11 +40,15 @@ SCRAPED = {
     # cumulative; a replica keeps the mean over its last few scrape intervals (``Replica.itl_live``)
     "vllm:inter_token_latency_seconds_sum": "itl_sum",
     "vllm:inter_token_latency_seconds_count": "itl_count",
+    # cumulative, observed per request when its first token comes (``Replica.prefill_live``)
+    "vllm:request_prefill_time_seconds_sum": "prefill_sum",
+    "vllm:request_prefill_time_seconds_count": "prefill_count",
 }
 
 
-ITL_WINDOW = 3  # scrape intervals in Replica.itl_live
+ITL_WINDOW = 3  # scrape intervals in Replica.itl_live (and prefill_live)
 ITL_MIN_TOKENS = 32  # decoded tokens in that window for a figure
+PREFILL_MIN = 2  # prefills in that window for a figure
 
 
 @dataclass(slots=True, eq=False)
@@ -71,6 +75,12 @@ class Replica:
     # seconds before any request ends (admission's live TPOT). None: under ITL_MIN_TOKENS decoded, or no figure.
     itl_live: float | None = None
     itl_window: deque = field(default_factory=lambda: deque(maxlen=ITL_WINDOW))  # (d_sum, d_count) per interval
+    prefill_sum: float = 0.0  # vllm:request_prefill_time_seconds (sum, count): cumulative, per request
+    prefill_count: float = 0.0
+    # One prefill's time (scheduled -> first token) over the last ITL_WINDOW scrape intervals: what admission
+    # deems a unary request's prefill place takes (no first token is seen on a unary answer). None: too few.
+    prefill_live: float | None = None
+    prefill_window: deque = field(default_factory=lambda: deque(maxlen=ITL_WINDOW))
     scrapes: int = 0  # /metrics reads so far (a reader judges each one once)
     last_scrape: float = 0.0
     http: UpstreamPool | None = None  # the data-path connection pool (set by Fleet)
@@ -78,21 +88,27 @@ class Replica:
     removed: bool = False  # no longer in its pool (discovery dropped it); in-flight requests finish
 
     def take_metrics(self, values: dict[str, float]) -> None:
-        """Apply one /metrics read (``parse_metrics``): gauges as read, the ITL histogram as a delta."""
-        sum0, count0 = self.itl_sum, self.itl_count
+        """Apply one /metrics read (``parse_metrics``): gauges as read, the histograms as deltas."""
+        itl0, prefill0 = (self.itl_sum, self.itl_count), (self.prefill_sum, self.prefill_count)
         for attr, value in values.items():
             setattr(self, attr, value)
-        d_count, d_sum = self.itl_count - count0, self.itl_sum - sum0
-        if d_count < 0 or d_sum < 0:
-            self.itl_window.clear()  # the server restarted: its counters went back
-        elif self.scrapes:  # (the first read has no interval)
-            self.itl_window.append((d_sum, d_count))
         # Over a few intervals, not one: one token's gap spans any prefill that ran in its step (0.7 s for a
         # 512-token prompt on a CPU), so a 2 s interval with few tokens read as a slow decode and cut the limit.
-        tokens = sum(c for _, c in self.itl_window)
-        self.itl_live = sum(x for x, _ in self.itl_window) / tokens if tokens >= ITL_MIN_TOKENS else None
+        self.itl_live = self._windowed(self.itl_window, itl0, (self.itl_sum, self.itl_count), ITL_MIN_TOKENS)
+        self.prefill_live = self._windowed(self.prefill_window, prefill0, (self.prefill_sum, self.prefill_count),
+                                           PREFILL_MIN)
         self.scrapes += 1
         self.last_scrape = time.time()
+
+    def _windowed(self, window: deque, before: tuple[float, float], now: tuple[float, float], least: int) -> float | None:
+        """A cumulative histogram's mean over the last scrape intervals (None: under ``least`` observations)."""
+        d_sum, d_count = now[0] - before[0], now[1] - before[1]
+        if d_count < 0 or d_sum < 0:
+            window.clear()  # the server restarted: its counters went back
+        elif self.scrapes:  # (the first read has no interval)
+            window.append((d_sum, d_count))
+        n = sum(c for _, c in window)
+        return sum(x for x, _ in window) / n if n >= least else None
 
     @property
     def load(self) -> float:

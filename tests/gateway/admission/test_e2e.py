@@ -201,3 +201,23 @@ def test_each_streams_first_token_frees_its_prefill_place_and_teaches_the_prefil
         assert cap["prefill_limit"] >= 1  # ttft target / prefill_each: in force after ten first tokens
     finally:
         gw.stop()
+
+
+def test_a_unary_only_pool_reads_its_prefill_time_from_the_replicas_metrics(sim, tmp_path):
+    """No stream, no first token: the prefill time a unary prompt's place is held for comes from vLLM's
+    own ``request_prefill_time_seconds`` on the replica's /metrics, scraped by the gateway."""
+    gw = gateway(sim, tmp_path)
+    try:
+        c = openai.OpenAI(base_url=gw.base_url + "/v1", api_key="k", max_retries=0)
+        cap: dict = {}
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # (the figure needs a few scrape intervals with prefills in them)
+            c.completions.create(model=MODEL, prompt="unary " * 200, max_tokens=4, extra_body={"ignore_eos": True})
+            cap = httpx.get(gw.base_url + "/usefulwork/stats").json()["filters"]["admission"]["pools"]["a100"]["capacity"]
+            if cap["live_prefill_s"] is not None:
+                break
+            time.sleep(0.2)
+        assert cap["prefill_each_s"] is None  # nothing learnt from first tokens
+        assert 0 < cap["live_prefill_s"] < 1.0  # the simulated A100's prefill of a 200-token prompt: tens of ms
+    finally:
+        gw.stop()

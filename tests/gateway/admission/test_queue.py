@@ -964,6 +964,34 @@ def test_a_unary_interactive_prompt_holds_batch_back_only_for_its_estimated_pref
     assert q.pump(1.1) == [b2]  # its prefill is deemed done (0.1 s): the batch prompt goes
 
 
+def test_a_pool_of_unary_requests_deems_a_prefill_done_after_the_replicas_own_prefill_time():
+    """No stream, so no first token is ever seen: the replica's vLLM reports its prefill time
+    (``request_prefill_time_seconds``, read each scrape into ``Replica.prefill_live``). A unary interactive
+    prompt then holds batch work back for that long, not for its whole answer, and a unary batch prompt's
+    place frees after it too (without a figure a queued batch prompt waited for the end of an answer)."""
+    class R:
+        healthy, scrapes, itl_live, prefill_live = True, 1, None, 0.08
+
+    rep = R()
+    c = AdmissionCfg(initial_concurrency=40, low_band_prefills=1)
+    cap = Capacity(c, *SLO, replicas=lambda: [rep], replica_count=lambda: 1, priority_scheduling=True)
+    cap.service, cap.svc_ttft = 2.0, 0.1
+    q = PoolQueue("p", cap, reserve_fraction=c.reserve_fraction, low_band_prefills=1, max_queue=c.max_queue,
+                  e2e_slo_s=SLO[2])
+    inter = ticket(0.0, "a", cls=0)
+    inter.stream = False
+    assert q.offer(inter, 0.0).kind == "admit"
+    assert cap.prefill_each is None and cap.prefill_time() == 0.08  # read from the replica
+    b1 = ticket(0.0, "a", cls=1, deadline_s=60)
+    b1.stream = False
+    assert q.offer(b1, 0.0).kind == "queue"  # the interactive prompt is deemed in prefill
+    assert q.pump(0.08) == [b1]  # ... for 0.08 s: the batch prompt goes
+    b2 = ticket(0.1, "a", cls=1, deadline_s=60)
+    b2.stream = False
+    assert q.offer(b2, 0.1).kind == "queue"  # one low-band prompt in prefill at a time
+    assert q.pump(0.17) == [b2]  # b1's prefill deemed done 0.08 s after it was sent: not at its answer's end
+
+
 def test_a_tenant_over_its_fair_share_is_low_band_while_a_quiet_tenant_is_about():
     q = _priority_queue(1, limit=10)
     heavy = [ticket(0.0, "heavy", deadline_s=100) for _ in range(6)]

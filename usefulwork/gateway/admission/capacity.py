@@ -128,6 +128,7 @@ class Capacity:
         self.decreases = 0
         self.batch_decreases = 0
         self.prefill_each: float | None = None  # EWMA of TTFT / (prefills pending ahead + 1) (s)
+        self.live_prefill: float | None = None  # the replicas' mean of vLLM's own prefill time now (``prefill_time``)
         self.prefill_limit: float | None = None  # per replica (None: not learnt yet, no gate)
         self.prefill_samples = 0
         self.prefill_decreases = 0
@@ -213,9 +214,18 @@ class Capacity:
             return None
         return max(1, int(self.prefill_limit * self.count()))
 
+    def prefill_time(self) -> float | None:
+        """What one pending prefill takes: learnt from streams' first tokens (``prefill_each``), else the
+        replicas' own figure (vLLM's ``request_prefill_time_seconds`` over the last scrapes, read with the
+        decode speed in ``judge_live``). A pool that serves only unary requests sees no first token: without
+        the replicas' figure a unary prompt's prefill place was held until its whole answer ended, so a
+        low-band prompt behind a unary interactive one waited for that answer, and batch work went one
+        prompt per replica at a time."""
+        return self.prefill_each if self.prefill_each is not None else self.live_prefill
+
     def prefill_wait(self, position: int) -> float:
         """Seconds until ``position`` more pending prefills have been answered (pool-wide)."""
-        return position * (self.prefill_each or 0.0) / self.count()
+        return position * (self.prefill_time() or 0.0) / self.count()
 
     def drain_rate(self) -> float | None:
         """Requests per second that leave a full pool: the limit over the full pool's service time where
@@ -286,6 +296,8 @@ class Capacity:
         live = max(lives, default=None)
         self.live_tpot = live
         self.live_tpot_mean = sum(lives) / len(lives) if lives else None
+        pres = [v for r in reps if getattr(r, "healthy", True) and (v := getattr(r, "prefill_live", None)) is not None]
+        self.live_prefill = sum(pres) / len(pres) if pres else None
         # (no verdict before a round trip was measured: the cold limit is initial_concurrency, and the
         # once-per-service-time rule needs a service time; without it every scrape cut the limit to 1)
         if live is None or live <= self.tpot_target or self.service is None:
@@ -484,7 +496,8 @@ class Capacity:
                 "drain_per_s": self.drain_rate(), "kv_cap": self.kv_cap(), "saturated": self.saturated(),
                 "samples": self.samples, "decreases": self.decreases, "fill_decreases": self.batch_decreases,
                 "prefill_limit": self.prefill_places(), "prefill_per_replica": None if self.prefill_limit is None else round(self.prefill_limit, 2),
-                "prefill_each_s": self.prefill_each, "prefill_decreases": self.prefill_decreases}
+                "prefill_each_s": self.prefill_each, "live_prefill_s": self.live_prefill,
+                "prefill_decreases": self.prefill_decreases}
 
 
 class Window:

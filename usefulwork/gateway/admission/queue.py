@@ -188,14 +188,15 @@ class PoolQueue:
                 return None
         elif tenant is None or not self.low_band(0, tenant) or not self._others_in_pool(tenant):
             return None
-        if self.pending > self.pending_low and self.capacity.prefill_each is not None:
+        if self.pending > self.pending_low and self.capacity.prefill_time() is not None:
             # A top-band prompt is pending: a low-band one sent now would wait in vLLM beside it and share
             # its step (the step's budget fits both), doubling its prefill; it goes when that first token
             # comes. (Virtual clock, six seeds: the priority cell's worst interactive TTFT p99 went from
             # 1.80x to 1.28x of its arrivals alone, the engine's tokens/s unchanged: docs/benchmarks.md
-            # section 7, session 23.) Not before a prefill time is known: a unary prompt's place is then
-            # held until its answer ends, and unary interactive traffic would hold batch work back for
-            # whole answers instead of prefills.
+            # section 7, session 23.) Not before a prefill time is known (from streams' first tokens or
+            # the replicas' own figure, ``Capacity.prefill_time``): a unary prompt's place is then held
+            # until its answer ends, and unary interactive traffic would hold batch work back for whole
+            # answers instead of prefills.
             return 0
         return self.low_band_prefills * self.capacity.count() - self.pending_low
 
@@ -693,7 +694,7 @@ class PoolQueue:
         if not t.stream:
             # A unary answer's first token is not seen: its place is deemed free once the prefills ahead
             # and its own should have been answered (or when it ends, if sooner).
-            each = self.capacity.prefill_each
+            each = self.capacity.prefill_time()
             if each is not None:
                 heapq.heappush(self._prefill_due, (now + (t.prefill_ahead + 1.0) * each, next(self._seq), t))
 
