@@ -560,6 +560,18 @@ def test_a_queued_request_is_priced_at_the_replicas_mean_decode_speed_and_the_li
     assert cap.decreases == cap.live_decreases == 1  # 100 ms on one replica: over target, cut
 
 
+def test_every_limit_cut_is_logged_with_its_reason(caplog):
+    class R:
+        healthy, scrapes, itl_live = True, 1, 0.10
+
+    cap = Capacity(AdmissionCfg(initial_concurrency=30), *SLO, replicas=lambda: [R()])  # TPOT target 75 ms
+    cap.observe(Sample(0.2, 0.01, 1.5, 640, True, inflight_at_admit=0), 0.0)
+    with caplog.at_level("INFO", logger="usefulwork.admission"):
+        cap.judge_live(10.0, 20)
+    assert [r.getMessage() for r in caplog.records] == [
+        "admission: SLO limit 30.00 -> 15.00 per replica: live decode 100 ms a token over the 75 ms target, 20 in flight"]
+
+
 def test_a_large_max_tokens_is_priced_at_the_length_of_the_pools_answers():
     """Clients often send a max_tokens they never use. Priced at 4,096 tokens a request could never
     wait under the 5 s E2E SLO: it was shed whenever the pool was full, while every answer took ~60

@@ -52,12 +52,15 @@ service time. The clock is a parameter: tests run it virtually.
 from __future__ import annotations
 
 import bisect
+import logging
 import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from usefulwork.gateway.admission.config import AdmissionCfg
+
+log = logging.getLogger("usefulwork.admission")
 
 EWMA = 0.1  # weight of a new sample in the running means
 FILL_TTFT_FACTOR = 3.0  # batch fills the pool while the service TTFT stays within this factor of the unloaded one
@@ -309,15 +312,19 @@ class Capacity:
             # work one slot: on the real CPU vLLM's 2x cell the SLO limit went to 1.7 per replica in three
             # live cuts while the fill limit stayed at 24, and interactive requests queued 3.4 s and were shed.
             if now - self.last_batch_decrease >= self.service:
-                self._cut_fill(min(self.batch_limit, inflight / n) * max(0.5, min(0.9, self.tpot_target / live)), now)
+                self._cut_fill(min(self.batch_limit, inflight / n) * max(0.5, min(0.9, self.tpot_target / live)), now,
+                               self._live_why(live, inflight))
                 self.live_decreases += 1
             return
         if now - self.last_decrease < self.service:
             return
         new = self._cut_to(min(self.limit, inflight / n), live / self.tpot_target, n)
         if new < self.limit:
-            self._cut(new, now)
+            self._cut(new, now, self._live_why(live, inflight))
             self.live_decreases += 1
+
+    def _live_why(self, live: float, inflight: int) -> str:
+        return f"live decode {live * 1e3:.0f} ms a token over the {self.tpot_target * 1e3:.0f} ms target, {inflight} in flight"
 
     def observe_first_token(self, ttft: float, ahead: float, inflight_at_admit: int = 0) -> None:
         """A stream's first token: ``ttft`` seconds after admission, with ``ahead`` prefills per replica
@@ -360,7 +367,8 @@ class Capacity:
         ``min_concurrency``."""
         return max(float(self.cfg.min_concurrency) / n, base * max(0.5, min(0.9, 1.0 / overshoot)))
 
-    def _cut(self, new: float, now: float) -> None:
+    def _cut(self, new: float, now: float, why: str) -> None:
+        log.info("admission: SLO limit %.2f -> %.2f per replica: %s", self.limit, new, why)
         self.limit = new
         self.last_decrease = now
         self.decreases += 1
@@ -442,7 +450,8 @@ class Capacity:
             if now - self.last_decrease >= (self.service or 0.0):
                 # In proportion to the overshoot (at most halved, at least 10%): a limit that grew past
                 # what the pool serves in time comes back within a service time or two.
-                self._cut(self._cut_to(self.limit, load, n), now)
+                self._cut(self._cut_to(self.limit, load, n), now,
+                          f"recent answers at {load:.2f}x their TTFT, TPOT or E2E target")
             return
         if self.saturated():  # the replicas say "full" before the SLO does: hold, do not grow
             return
@@ -472,8 +481,9 @@ class Capacity:
         interactive TTFT p99 was 1.23-2.0x alone on seeds 1-3; at 0.9, 95-96% and 1.05-1.18x.)"""
         return self.inter_service is not None and self.inter_service > INTERACTIVE_YIELD * self.e2e_target
 
-    def _cut_fill(self, new: float, now: float) -> None:
+    def _cut_fill(self, new: float, now: float, why: str) -> None:
         """Cut the fill limit to ``new`` per replica (never below the SLO limit): batch work yields."""
+        log.info("admission: fill limit %.2f -> %.2f per replica: %s", self.batch_limit, max(self.limit, new), why)
         self.batch_limit = max(self.limit, new)
         self.last_batch_decrease = now
         self.batch_decreases += 1
@@ -481,7 +491,8 @@ class Capacity:
     def _learn_fill(self, s: Sample, now: float, n: int) -> None:
         if self.queueing() or self.interactive_late():
             if now - self.last_batch_decrease >= (self.service or 0.0) and self.batch_limit > self.limit:
-                self._cut_fill(self.batch_limit * 0.9, now)
+                self._cut_fill(self.batch_limit * 0.9, now, "requests waiting inside vLLM" if self.queueing()
+                               else "interactive answers near the E2E target")
             return
         # tested: admitted near the fill limit less the interactive reserve (all batch work may use)
         if (s.inflight_at_admit + 1) / n >= 0.9 * (self.batch_limit - self.cfg.reserve_fraction * self.limit - 1.0):
