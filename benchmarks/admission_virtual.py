@@ -158,11 +158,9 @@ class RetryCell(autoscale.Day):
         return self.peak_rate if t - RETRY_WARM_S < 9.0 else self.base_rate
 
 
-def retry_cell(seed: int, cfg: AdmissionCfg | None = None) -> dict[str, Any]:
-    """The burst-retry cell on the virtual clock (see the module's docstring)."""
+def retry_cell(seed: int) -> dict[str, Any]:
+    """The burst-retry cell on the virtual clock, with the shipped settings (see the module's docstring)."""
     day = RetryCell(day_s=RETRY_WARM_S + 45.0, base_rate=2.0, peak_rate=25.0, burstiness=1.0, seed=seed)
-    if cfg is not None:
-        autoscale.AdmissionCfg = lambda: cfg
     sim = autoscale.Simulation(autoscale.Policy("one", "one replica", fixed=1, admission=True), day,
                                autoscale.Fleet(), autoscale.Client(max_retries=3), autoscale.SLO)
     sim.clients = lambda t0: ("default", 0) if t0 < RETRY_WARM_S else ("retrying", None)

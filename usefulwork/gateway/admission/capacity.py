@@ -266,14 +266,13 @@ class Capacity:
 
     def est_output(self, max_tokens: int | None) -> int | None:
         """Completion tokens a request that may produce ``max_tokens`` should budget for: ``max_tokens``, or
-        the 95th percentile of the pool's recent answers (once there are 20) where that is less. Many
-        clients send a large ``max_tokens`` they never use: priced at 4,096 tokens, such a request could
-        never queue under a 5 s E2E SLO and was shed whenever the pool was full, while its answers, like
-        everyone's, took 200."""
-        n = len(self.recent_out)
-        if max_tokens is None or n < 20:
+        the tail (``tail_quantile``, the 95th percentile) of the pool's recent answers (once there are 20)
+        where that is less. Many clients send a large ``max_tokens`` they never use: priced at 4,096
+        tokens, such a request could never queue under a 5 s E2E SLO and was shed whenever the pool was
+        full, while its answers, like everyone's, took 200."""
+        if max_tokens is None or len(self.recent_out) < 20:
             return max_tokens
-        return min(max_tokens, int(self.recent_out.largest(max(1, n // 20))))
+        return min(max_tokens, int(self.tail(self.recent_out)))
 
     # -- writes --
     def judge_live(self, now: float, inflight: int) -> None:
@@ -295,12 +294,12 @@ class Capacity:
         if seen == self._live_seen:
             return
         self._live_seen = seen
-        lives = [v for r in reps if getattr(r, "healthy", True) and (v := getattr(r, "itl_live", None)) is not None]
+        lives = _healthy_figures(reps, "itl_live")
         live = max(lives, default=None)
         self.live_tpot = live
         self.live_tpot_mean = sum(lives) / len(lives) if lives else None
-        pres = [v for r in reps if getattr(r, "healthy", True) and (v := getattr(r, "prefill_live", None)) is not None]
-        self.live_prefill = sum(pres) / len(pres) if pres else None
+        prefills = _healthy_figures(reps, "prefill_live")
+        self.live_prefill = sum(prefills) / len(prefills) if prefills else None
         # (no verdict before a round trip was measured: the cold limit is initial_concurrency, and the
         # once-per-service-time rule needs a service time; without it every scrape cut the limit to 1)
         if live is None or live <= self.tpot_target or self.service is None:
@@ -509,6 +508,11 @@ class Capacity:
                 "prefill_limit": self.prefill_places(), "prefill_per_replica": None if self.prefill_limit is None else round(self.prefill_limit, 2),
                 "prefill_each_s": self.prefill_each, "live_prefill_s": self.live_prefill,
                 "prefill_decreases": self.prefill_decreases}
+
+
+def _healthy_figures(reps: list, attr: str) -> list[float]:
+    """The healthy replicas' live figure ``attr`` (``Replica.itl_live``, ``prefill_live``), where they have one."""
+    return [v for r in reps if getattr(r, "healthy", True) and (v := getattr(r, attr, None)) is not None]
 
 
 class Window:
