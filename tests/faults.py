@@ -149,6 +149,24 @@ def json_response(status: int, body: bytes, extra: bytes = b"") -> bytes:
             % (status, len(body), extra, body))
 
 
+class HeldEmbedder:
+    """Wraps an embedder: while ``hold`` is an ``asyncio.Event``, a request's embedding starts only once it
+    is set (a lookup slower than the upstream, injected: which side of a race wins is then certain, where
+    a zero-delay fake upstream and a real ~1 ms embedding otherwise race on the host's scheduling)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.hold: asyncio.Event | None = None
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def embed_call(self, call, *args, **kw):
+        if self.hold is not None:
+            await self.hold.wait()
+        return await self.inner.embed_call(call, *args, **kw)
+
+
 class SlowLoadingEmbedder:
     """Builds the real embedder whose model load is held until ``release()`` (a slow start-up, injected)."""
 

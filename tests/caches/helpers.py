@@ -40,6 +40,7 @@ class FakeUpstream:
         self.calls = 0
         self.closed = 0  # replies closed (a stream's close is what cancels the upstream request)
         self.first_chunk_delay_s = 0.0  # a stream's time to its first chunk (the prefill)
+        self.answered: asyncio.Event | None = None  # when a test sets one: set as the first token leaves
 
     async def __call__(self, call: Call) -> Reply:
         self.calls += 1
@@ -52,6 +53,7 @@ class FakeUpstream:
             body = {"id": "chatcmpl-up", "object": "chat.completion", "created": 1, "model": MODEL,
                     "choices": [{"index": 0, "message": {"role": "assistant", "content": self.answer},
                                  "logprobs": None, "finish_reason": "stop", "stop_reason": None}], "usage": usage}
+            self._answer()
             return Reply(200, [(b"content-type", b"application/json")], body=orjson.dumps(body), usage=usage)
         reply = Reply(200, [(b"content-type", b"text/event-stream")], usage=None)
 
@@ -61,6 +63,7 @@ class FakeUpstream:
                                                  "model": MODEL, "choices": choices, **extra}) + b"\n\n"
             if self.first_chunk_delay_s:
                 await asyncio.sleep(self.first_chunk_delay_s)
+            self._answer()
             yield ev([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
             for word in self.answer.split(" "):
                 yield ev([{"index": 0, "delta": {"content": word + " "}, "finish_reason": None}])
@@ -73,6 +76,10 @@ class FakeUpstream:
         reply.chunks = chunks()
         reply.on_close(self._closed)
         return reply
+
+    def _answer(self) -> None:
+        if self.answered is not None:
+            self.answered.set()
 
     def _closed(self) -> None:
         self.closed += 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import orjson
 import pytest
 from starlette.applications import Starlette
@@ -11,7 +13,7 @@ from usefulwork.caches.config import CacheCfg, SemanticCfg
 from usefulwork.caches.filter import CacheFilter
 from usefulwork.caches.keys import Keys
 from usefulwork.caches.store import Entry
-from tests.faults import SlowLoadingEmbedder
+from tests.faults import HeldEmbedder, SlowLoadingEmbedder
 from usefulwork.config import ConfigError, from_mapping
 from usefulwork.embedding import shared_embedder
 
@@ -47,18 +49,26 @@ async def test_paraphrase_hits_and_negation_is_refused():
     assert f.stats()["requests"]["hit-semantic"] == 1 and f.stats()["requests"]["miss"] == 3
 
 
+def held(up: FakeUpstream, emb: HeldEmbedder) -> None:
+    """The next lookup's embedding starts only once the upstream has answered: the upstream wins."""
+    up.answered = emb.hold = asyncio.Event()
+
+
 async def test_upstream_and_semantic_lookup_race():
-    f, up = CacheFilter(cfg=CacheCfg()), FakeUpstream("Paris.")
+    f, up = CacheFilter(cfg=CacheCfg(), embedder=HeldEmbedder(shared_embedder())), FakeUpstream("Paris.")
     await ask(f, up, make_call("What is the capital of France?"))
     # a complete JSON answer that arrives before the embedding wins: a miss, no wait for the lookup
+    held(up, f.embedder)
     r, _ = await ask(f, up, make_call("Which city is the capital of France?", headers=[(b"cache-control", b"no-store")]))
     assert r.header(b"x-usefulwork-cache") == b"miss"
     # a stream whose first chunk comes before the lookup's answer wins too: a miss costs no wait
+    held(up, f.embedder)
     r, body = await ask(f, up, make_call("Which city is the capital of France?", stream=True,
                                          headers=[(b"cache-control", b"no-store")]))
     assert r.header(b"x-usefulwork-cache") == b"miss" and stream_text(body) == "Paris. "
     # a stream whose first token is slow (a long prefill) loses to the lookup, which closes it
     closed = up.closed
+    up.answered = f.embedder.hold = None
     up.first_chunk_delay_s = 10.0
     c = make_call("Which city is the capital of France?", stream=True)
     r, body = await ask(f, up, c)
@@ -72,10 +82,11 @@ async def test_upstream_and_semantic_lookup_race():
 
 
 async def test_a_lookup_the_upstream_beats_finishes_in_the_background_and_does_not_pay():
-    f, up = CacheFilter(cfg=CacheCfg()), FakeUpstream("Paris.")
+    f, up = CacheFilter(cfg=CacheCfg(), embedder=HeldEmbedder(shared_embedder())), FakeUpstream("Paris.")
     await ask(f, up, make_call("What is the capital of France?"))
     before, computed = f.stats(), f.embedder.embedded
     for stream in (False, True):  # a whole JSON answer, then a stream's first chunk, before the embedding
+        held(up, f.embedder)
         r, _ = await ask(f, up, make_call(f"Which city is the capital of France{'!' if stream else '?'}", stream=stream))
         assert r.header(b"x-usefulwork-cache") == b"miss"
     st = f.stats()
@@ -83,6 +94,7 @@ async def test_a_lookup_the_upstream_beats_finishes_in_the_background_and_does_n
     assert f.embedder.embedded - computed == 2 and st["embeddings"] - before["embeddings"] == 2
     assert st["vectors"] == 3 and st["stored"] == 3
     assert st["semantic_late"] == 2 and st["semantic_late_hits"] == 2 and list(f._lookups) == [False, False]
+    up.answered = f.embedder.hold = None
     assert (await ask(f, up, make_call("Which city is the capital of France!", stream=True)))[0].header(
         b"x-usefulwork-cache") == b"hit-exact"  # stored whole
 
