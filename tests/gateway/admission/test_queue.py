@@ -976,6 +976,25 @@ def test_a_unary_interactive_prompt_holds_batch_back_only_for_its_estimated_pref
     assert q.pump(1.1) == [b2]  # its prefill is deemed done (0.1 s): the batch prompt goes
 
 
+def test_before_a_prefill_time_is_known_low_band_work_is_not_gated_in_the_queue_either():
+    """Without a prefill time a unary prompt's place is held until its answer ends: the low-band gate is
+    open then, on arrival (where its wait priced at 0 admitted past it) and in the queue alike. The queue
+    held a batch prompt behind a running batch answer while a slot was free."""
+    q = _priority_queue(1, limit=3)
+    q.capacity.prefill_each = None  # nothing learnt yet
+    inter = ticket(0.0, "a", cls=0)
+    b = [ticket(0.1, "a", cls=1, deadline_s=60) for _ in range(2)]
+    for t in (inter, *b):
+        t.stream = False
+    assert q.offer(inter, 0.0).kind == "admit"
+    assert [q.offer(t, 0.1).kind for t in b] == ["admit", "queue"]  # batch: 3 slots less 1 kept for interactive
+    assert q.low_band_free(1, "a") is None and q.pending_low == 1
+    q.release(inter, 0.5)  # a slot frees; b[0]'s prompt is still deemed pending (until its answer ends)
+    assert b[1].state == "admitted"
+    q.capacity.prefill_each = 0.1  # learnt: one low-band prompt pending at a time from now on
+    assert q.low_band_free(1, "a") == 1 - q.pending_low
+
+
 def test_a_pool_of_unary_requests_deems_a_prefill_done_after_the_replicas_own_prefill_time():
     """No stream, so no first token is ever seen: the replica's vLLM reports its prefill time
     (``request_prefill_time_seconds``, read each scrape into ``Replica.prefill_live``). A unary interactive

@@ -180,23 +180,26 @@ class PoolQueue:
         burst to one prompt at a time for up to half a minute after the other tenant had gone (its own
         earlier, top-band requests kept the gate open against it). In the real CPU vLLM experiment the
         retrying clients' burst follows another tenant's: 54% of them were admitted on a first retry with
-        that rule, 91% before the gate existed."""
-        if not self.low_band_prefills or not self.capacity.priority_scheduling:
+        that rule, 91% before the gate existed.
+
+        Not gated before a prefill time is known (from streams' first tokens or the replicas' own figure,
+        ``Capacity.prefill_time``): a unary prompt's place is then held until its answer ends, so the gate
+        would send low-band work one answer at a time, and a top-band unary prompt would hold it back for
+        whole answers instead of prefills. (The arrival path priced the closed gate's wait at 0 then and
+        admitted past it, while ``pump`` held queued low-band work behind it.)"""
+        if not self.low_band_prefills or not self.capacity.priority_scheduling or self.capacity.prefill_time() is None:
             return None
         if cls > 0:
             if not self._now - self._top_seen < self.tenant_active_s:
                 return None
         elif tenant is None or not self.low_band(0, tenant) or not self._others_in_pool(tenant):
             return None
-        if self.pending > self.pending_low and self.capacity.prefill_time() is not None:
+        if self.pending > self.pending_low:
             # A top-band prompt is pending: a low-band one sent now would wait in vLLM beside it and share
             # its step (the step's budget fits both), doubling its prefill; it goes when that first token
             # comes. (Virtual clock, six seeds: the priority cell's worst interactive TTFT p99 went from
             # 1.80x to 1.28x of its arrivals alone, the engine's tokens/s unchanged: docs/benchmarks.md
-            # section 7, session 23.) Not before a prefill time is known (from streams' first tokens or
-            # the replicas' own figure, ``Capacity.prefill_time``): a unary prompt's place is then held
-            # until its answer ends, and unary interactive traffic would hold batch work back for whole
-            # answers instead of prefills.
+            # section 7, session 23.)
             return 0
         return self.low_band_prefills * self.capacity.count() - self.pending_low
 
