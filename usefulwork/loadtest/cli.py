@@ -47,6 +47,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     e.add_argument("--out-dir", type=Path, help="where results.json and report.html go (default: ./loadtest-results/NAME)")
     e.add_argument("--time-scale", type=float, default=1.0,
                    help="multiply every case's duration (and request counts) by this (quick trial runs)")
+    e.add_argument("--rate-scale", type=float, default=None,
+                   help="multiply every case's arrival rates by this (default: an experiment with a calibrate block "
+                        "probes its server first and scales its rates to the server's capacity; others run as written)")
     e.add_argument("--no-gateway", action="store_true", help="drive the backends directly (no gateway in between)")
     e.add_argument("--port-base", type=int, default=None,
                    help="first TCP port for backends and the gateway (default: free ports chosen by the OS)")

@@ -122,6 +122,16 @@ class Experiment:
     cases: dict[str, dict[str, Any]]  # raw, merged per shape by ``case_for``
     compare: dict[str, Any]
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
+    calibrate: dict[str, Any] | None = None  # rates sized for a server's capacity: scaled to this one's (calibrate.py)
+
+    def scale_rates(self, factor: float) -> None:
+        """Multiply every case's arrival rates (shapes' overrides too) by ``factor``: a run at a server's
+        calibrated capacity. The cells, their verdicts and the report all read the scaled rates."""
+        specs = [*self.cases.values(), *((s.get("cases") or {}).get(c) or {} for s in self.shapes for c in self.cases)]
+        for spec in specs:
+            arr = spec.get("arrival")
+            if isinstance(arr, dict):
+                spec["arrival"] = {k: v * factor if k in ("rate", "base_rate", "peak_rate") else v for k, v in arr.items()}
 
     def case_for(self, shape: dict[str, Any], case_name: str) -> Case:
         spec = _deep_merge(self.cases[case_name], (shape.get("cases") or {}).get(case_name) or {})
@@ -188,7 +198,7 @@ def load_experiment(name_or_path: str) -> Experiment:
     src = str(path)
     if not isinstance(raw, dict):
         raise ExperimentError(f"{src}: the top level must be a mapping")
-    known = {"name", "description", "backend", "slo", "seed", "profiles", "shapes", "cases", "compare"}
+    known = {"name", "description", "backend", "slo", "seed", "profiles", "shapes", "cases", "compare", "calibrate"}
     extra = {k for k in set(raw) - known if not str(k).startswith("x-")}  # x-*: YAML anchors, as in compose files
     if extra:
         raise ExperimentError(f"{src}: unknown top-level field(s) {', '.join(sorted(extra))}")
@@ -218,9 +228,17 @@ def load_experiment(name_or_path: str) -> Experiment:
         for c in (s.get("cases") or {}):
             if c not in cases:
                 raise ExperimentError(f"{src}: shape {s['name']} overrides unknown case {c!r}")
+    cal = raw.get("calibrate")
+    if cal is not None:
+        if not isinstance(cal, dict) or set(cal) - {"sized_for_rps", "concurrency", "timeout_s"} \
+                or not isinstance(cal.get("sized_for_rps"), (int, float)) or cal["sized_for_rps"] <= 0 \
+                or not isinstance(cal.get("concurrency", 8), int) or cal.get("concurrency", 8) < 2:
+            raise ExperimentError(f"{src}: calibrate takes sized_for_rps (req/s > 0), and optionally concurrency "
+                                  "(an integer >= 2) and timeout_s")
     exp = Experiment(name=raw.get("name", path.stem), source=src, description=raw.get("description", ""),
-                     backend=backend, slo=slo, seed=int(raw.get("seed", 0)), profiles=profiles, shapes=shapes,
-                     cases=cases, compare=raw.get("compare") or {}, raw=raw)
+                     backend=backend, slo=slo, seed=int(raw.get("seed", 0)), profiles=profiles,
+                     shapes=copy.deepcopy(shapes), cases=copy.deepcopy(cases), compare=raw.get("compare") or {}, raw=raw,
+                     calibrate=cal)  # (copies: a run scales the rates, ``raw`` keeps them as written)
     for s in shapes:  # validate every cell up front: a typo fails before any backend starts
         for c in cases:
             exp.case_for(s, c)
@@ -529,6 +547,9 @@ class Options:
     port_base: int | None = None  # None: free ports chosen by the OS (no clash with ephemeral ports)
     cpu_lock: str | None = None
     quiet: bool = False
+    # multiplies every arrival rate; None: the server's calibrated scale where the experiment has a
+    # ``calibrate`` block (a probe before the first cell), else 1
+    rate_scale: float | None = None
 
 
 def plan(exp: Experiment, opts: Options) -> list[tuple[Profile, dict[str, Any], Case]]:
@@ -661,6 +682,28 @@ def meta(exp: Experiment) -> dict[str, Any]:
     return m
 
 
+def calibration(exp: Experiment, profile: Profile, url: str, console: Console) -> dict[str, Any]:
+    """Probe the server at ``url`` (straight, not through the gateway) and scale for its capacity (calibrate.py)."""
+    from usefulwork.loadtest import calibrate
+
+    cal = exp.calibrate or {}
+    shape = exp.shapes[0]
+    wl = workloads.from_spec({"type": "synthetic", "prompt_tokens": shape.get("prompt_tokens", 512),
+                              "output_tokens": shape.get("output_tokens", 128)})
+    t0 = time.monotonic()
+    p = calibrate.probe(url, served_name(exp), wl, int(cal.get("concurrency", 8)), float(cal.get("timeout_s", 300.0)),
+                        workloads.from_spec({"type": "synthetic", "prompt_tokens": 1, "output_tokens": 2}),
+                        time_scale(exp, profile), seed=cell_seed(exp.seed, shape["name"], "calibrate"))
+    rec = calibrate.scale_for(p, float(cal["sized_for_rps"]), exp.slo)
+    rec["wall_s"] = time.monotonic() - t0
+    console.print(f"[bold]{profile.name}[/]: calibrated in {rec['wall_s']:.0f}s: prefill {p.prefill_s:.3f}s "
+                  f"({p.stall_s:.3f}s of engine), "
+                  f"decode {p.decode_1_s * 1e3:.0f} ms/token alone, {p.decode_n_s * 1e3:.0f} with {p.concurrency}; "
+                  f"estimated capacity {rec['estimated_capacity_rps']:.3g} req/s against rates sized for "
+                  f"{rec['sized_for_rps']:g}: rates x{rec['rate_scale']:.3g}", highlight=False)
+    return rec
+
+
 def run_experiment(exp: Experiment, opts: Options, console: Console) -> dict[str, Any]:
     cells_plan = plan(exp, opts)
     out_dir = opts.out_dir or Path("loadtest-results") / exp.name
@@ -671,6 +714,13 @@ def run_experiment(exp: Experiment, opts: Options, console: Console) -> dict[str
     data: dict[str, Any] = {"experiment": {"name": exp.name, "source": exp.source, "description": exp.description,
                                            "backend": exp.backend, "slo": exp.slo.__dict__, "raw": exp.raw},
                             "meta": meta(exp), "cells": cells, "timings": timings}
+    calibrating = opts.rate_scale is None and exp.calibrate is not None
+    if opts.rate_scale is not None:
+        if opts.rate_scale != 1.0:
+            exp.scale_rates(opts.rate_scale)
+            cells_plan = plan(exp, opts)
+        data["calibration"] = {"rate_scale": opts.rate_scale, "given": True}
+        data["meta"]["rates"] = f"x{opts.rate_scale:g} (--rate-scale)"
     profiles_in_order = []
     for p, _, _ in cells_plan:
         if p not in profiles_in_order:
@@ -715,6 +765,12 @@ def run_experiment(exp: Experiment, opts: Options, console: Console) -> dict[str
                 started = time.monotonic() - t_prof
                 sim = exp.backend["kind"] == "sim"  # (its /sim/info tells each cell's lag)
                 console.print(f"[bold]{profile.name}[/]: ready in {started:.0f}s (driving {url})")
+                if calibrating:
+                    calibrating = False
+                    data["calibration"] = calibration(exp, profile, backend.base_url, console)
+                    exp.scale_rates(data["calibration"]["rate_scale"])
+                    cells_plan = plan(exp, opts)
+                    data["meta"]["rates"] = f"x{data['calibration']['rate_scale']:.3g} (calibrated)"
                 for p, shape, case in cells_plan:
                     if p is not profile:
                         continue
@@ -773,9 +829,17 @@ def main(args: argparse.Namespace, console: Console) -> int:
     exp = load_experiment(args.experiment)
     opts = Options(cases=args.case, profiles=args.profile, shapes=args.shape, out_dir=args.out_dir,
                    time_scale=args.time_scale, use_gateway=not args.no_gateway, port_base=args.port_base,
-                   cpu_lock=getattr(args, "cpu_lock", None), quiet=args.quiet)
+                   cpu_lock=getattr(args, "cpu_lock", None), quiet=args.quiet, rate_scale=getattr(args, "rate_scale", None))
+    if opts.rate_scale is not None and opts.rate_scale <= 0:
+        raise ExperimentError(f"--rate-scale must be > 0, got {opts.rate_scale}")
     cells = plan(exp, opts)
     if args.dry_run:
+        if opts.rate_scale is not None:
+            exp.scale_rates(opts.rate_scale)
+            cells = plan(exp, opts)
+        elif exp.calibrate is not None:
+            console.print(f"rates as written, sized for {exp.calibrate['sized_for_rps']:g} req/s: a run scales them to "
+                          "the server's capacity (--rate-scale to fix the scale)", highlight=False)
         for p, s, c in cells:
             console.print(f"{s['name']:>10} {c.name:<24} {p.name:<18} arrival={c.arrival} concurrency={c.concurrency} "
                           f"duration={c.duration_s} n={c.num_requests} timeout={c.timeout_s}", highlight=False, soft_wrap=True)

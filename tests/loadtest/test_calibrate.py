@@ -1,0 +1,111 @@
+"""Rates scaled to the server: the probe against a real simulated server, the capacity model, the runner."""
+
+import pytest
+from rich.console import Console
+
+from usefulwork.loadtest import calibrate
+from usefulwork.loadtest.calibrate import CalibrationError, Probe
+from usefulwork.loadtest.experiment import ExperimentError, Options, load_experiment, plan, run_experiment
+
+CALIBRATED = """
+name: calibrated
+backend:
+  kind: sim
+  gpu_name: {gpu}
+  model: Llama-3.1-8B
+  served_name: llama
+  time_scale: 1
+  gpu: {{type: {gpu}, count: 1, usd_per_hour: 3.5}}
+slo: {{ttft_ms: 2000, tpot_ms: 100, e2e_ms: 5000, attainment: 0.95}}
+calibrate: {{sized_for_rps: 11, concurrency: 16}}
+profiles:
+  optimized-batched: {{sim_profile: optimized-batched}}
+cases:
+  steady:
+    arrival: {{process: poisson, rate: 5.5}}
+    num_requests: 6
+    timeout_s: 10
+  burst:
+    arrival: {{process: onoff, base_rate: 2, peak_rate: 22, period_s: 10, duty: 0.5}}
+    num_requests: 6
+    timeout_s: 10
+shapes:
+  - {{name: 512x128, prompt_tokens: 512, output_tokens: 128, cases: {{steady: {{arrival: {{process: poisson, rate: 4}}}}}}}}
+"""
+
+
+def _run(tmp_path, gpu, **opts):
+    f = tmp_path / f"{gpu}.yaml"
+    f.write_text(CALIBRATED.format(gpu=gpu))
+    exp = load_experiment(str(f))
+    data = run_experiment(exp, Options(out_dir=tmp_path / gpu, quiet=True, use_gateway=False, **opts), Console(quiet=True))
+    return exp, data
+
+
+def test_the_probe_estimates_the_simulated_servers_capacity_and_scales_every_rate(tmp_path):
+    exp, data = _run(tmp_path, "A100-80G")
+    cal = data["calibration"]
+    p = cal["probe"]
+    # a simulated A100 with Llama-3.1-8B: a 512-token prefill in tens of ms, a decode step of ~10 ms
+    assert 0.02 < p["prefill_s"] < 0.2 and 0.005 < p["decode_1_s"] < 0.03 and p["decode_n_s"] >= p["decode_1_s"]
+    # the admission experiment measures this server's capacity at this SLO: 11.13 req/s (docs/benchmarks.md)
+    assert 7.0 < cal["estimated_capacity_rps"] < 16.0
+    s = cal["rate_scale"]
+    assert s == pytest.approx(cal["estimated_capacity_rps"] / 11)
+    # every rate the cells ran at and the verdicts read, the shape's override too
+    burst = exp.cases["burst"]["arrival"]
+    assert (burst["base_rate"], burst["peak_rate"], burst["period_s"]) == (pytest.approx(2 * s), pytest.approx(22 * s), 10)
+    assert exp.cases["steady"]["arrival"]["rate"] == pytest.approx(5.5 * s)
+    assert exp.shapes[0]["cases"]["steady"]["arrival"]["rate"] == pytest.approx(4 * s)
+    assert [c["result"]["num_prompts"] for c in data["cells"]] == [6, 6]
+    assert "calibrated" in data["meta"]["rates"]
+    # a faster GPU: a higher capacity, so higher rates
+    _, h100 = _run(tmp_path, "H100-SXM")
+    assert h100["calibration"]["estimated_capacity_rps"] > 1.3 * cal["estimated_capacity_rps"]
+
+
+def test_a_given_rate_scale_skips_the_probe(tmp_path):
+    exp, data = _run(tmp_path, "A100-80G", rate_scale=0.5)
+    assert data["calibration"] == {"rate_scale": 0.5, "given": True}
+    assert exp.cases["steady"]["arrival"]["rate"] == pytest.approx(2.75)
+    # as written: nothing scaled, nothing probed
+    exp, data = _run(tmp_path, "A100-80G", rate_scale=1.0)
+    assert data["calibration"] == {"rate_scale": 1.0, "given": True} and exp.cases["steady"]["arrival"]["rate"] == 5.5
+
+
+def test_the_model_follows_the_server():
+    # the AVX-512 CPU vLLM the admission-vllm rates were first sized on: TPOT 40 ms at 4 sequences and
+    # 190 ms at 22; it met the SLO at 0.6 req/s and collapsed at 0.8
+    slow = Probe(prefill_s=0.4, decode_1_s=0.015, concurrency=22, decode_n_s=0.19, output_tokens=128)
+    c = calibrate.capacity(slow, 5.0, 0.15, 30.0)
+    assert 0.55 < c < 0.75
+    pt = calibrate.operating_point(slow, c)
+    assert pt["inflight"] == pytest.approx(c * pt["e2e_s"])  # Little's law closes the model
+    assert pt["tpot_s"] == pytest.approx(0.8 * 0.15)  # the TPOT SLO binds, with the margin
+    assert calibrate.operating_point(slow, 1 / 0.4) is None  # prefills alone fill the engine
+    # twice as fast a decode: more capacity; a slower prefill: less
+    fast = Probe(prefill_s=0.4, decode_1_s=0.0075, concurrency=22, decode_n_s=0.095, output_tokens=128)
+    assert calibrate.capacity(fast, 5.0, 0.15, 30.0) > 1.5 * c
+    assert calibrate.capacity(Probe(1.2, 0.015, 22, 0.19, 128), 5.0, 0.15, 30.0) < c
+    # a server that misses the SLO even alone has no capacity; a nonsense scale is refused
+    assert calibrate.capacity(Probe(0.4, 0.2, 8, 0.4, 128), 5.0, 0.15, 30.0) == 0.0
+    with pytest.raises(CalibrationError, match="outside"):
+        calibrate.scale_for(Probe(0.4, 0.2, 8, 0.4, 128), 0.7, type("S", (), {"ttft_ms": 5e3, "tpot_ms": 150, "e2e_ms": 3e4})())
+
+
+def test_bad_calibrate_blocks_name_the_field(tmp_path):
+    for bad in ("{sized_for_rps: 0}", "{sized_for_rps: fast}", "{sized_for_rps: 1, concurrency: 1}", "{rps: 1}", "7"):
+        f = tmp_path / "bad.yaml"
+        f.write_text(CALIBRATED.format(gpu="A100-80G").replace("{sized_for_rps: 11, concurrency: 16}", bad))
+        with pytest.raises(ExperimentError, match="calibrate takes sized_for_rps"):
+            load_experiment(str(f))
+
+
+def test_the_admission_vllm_experiment_is_calibrated():
+    exp = load_experiment("admission-vllm")
+    assert exp.calibrate["sized_for_rps"] > 0
+    rates = {c.name: c.arrival for _, _, c in plan(exp, Options())}
+    exp.scale_rates(2.0)
+    scaled = {c.name: c.arrival for _, _, c in plan(exp, Options())}
+    assert scaled["burst"]["peak_rate"] == 2 * rates["burst"]["peak_rate"]
+    assert scaled["priority-unloaded"] == scaled["priority-2x"]  # traffic_of: the scaled case's arrivals
