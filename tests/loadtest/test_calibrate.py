@@ -54,8 +54,10 @@ def test_the_probe_estimates_the_simulated_servers_capacity_and_scales_every_rat
     assert s == pytest.approx(cal["estimated_capacity_rps"] / 11)
     # every rate the cells ran at and the verdicts read, the shape's override too
     burst = exp.cases["burst"]["arrival"]
-    assert (burst["base_rate"], burst["peak_rate"], burst["period_s"]) == (pytest.approx(2 * s), pytest.approx(22 * s), 10)
+    assert (burst["base_rate"], burst["peak_rate"], burst["period_s"]) == (pytest.approx(2 * s), pytest.approx(22 * s),
+                                                                          pytest.approx(10 / s))
     assert exp.cases["steady"]["arrival"]["rate"] == pytest.approx(5.5 * s)
+    assert exp.cases["steady"]["num_requests"] == 6  # the same requests, at the server's pace
     assert exp.shapes[0]["cases"]["steady"]["arrival"]["rate"] == pytest.approx(4 * s)
     assert [c["result"]["num_prompts"] for c in data["cells"]] == [6, 6]
     assert "calibrated" in data["meta"]["rates"]
@@ -104,8 +106,15 @@ def test_bad_calibrate_blocks_name_the_field(tmp_path):
 def test_the_admission_vllm_experiment_is_calibrated():
     exp = load_experiment("admission-vllm")
     assert exp.calibrate["sized_for_rps"] > 0
-    rates = {c.name: c.arrival for _, _, c in plan(exp, Options())}
+    cells = {c.name: c for _, _, c in plan(exp, Options())}
     exp.scale_rates(2.0)
-    scaled = {c.name: c.arrival for _, _, c in plan(exp, Options())}
-    assert scaled["burst"]["peak_rate"] == 2 * rates["burst"]["peak_rate"]
-    assert scaled["priority-unloaded"] == scaled["priority-2x"]  # traffic_of: the scaled case's arrivals
+    scaled = {c.name: c for _, _, c in plan(exp, Options())}
+    # the same traffic at twice the pace: rates doubled, durations and periods halved, timeouts kept
+    b, b2 = cells["burst"], scaled["burst"]
+    assert (b2.arrival["peak_rate"], b2.arrival["base_rate"]) == (2 * b.arrival["peak_rate"], 2 * b.arrival["base_rate"])
+    assert (b2.arrival["period_s"], b2.duration_s, b2.timeout_s) == (b.arrival["period_s"] / 2, b.duration_s / 2, b.timeout_s)
+    # traffic_of: the scaled case's arrivals and duration
+    assert (scaled["priority-unloaded"].arrival, scaled["priority-unloaded"].duration_s) == \
+        (scaled["priority-2x"].arrival, scaled["priority-2x"].duration_s)
+    # the verdicts read the scaled cases: a burst's peaks and the capacity cells' goodput per second
+    assert exp.cases["capacity-0.6"]["duration_s"] == 30 and exp.cases["capacity-0.6"]["arrival"]["rate"] == 1.2

@@ -48,8 +48,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     e.add_argument("--time-scale", type=float, default=1.0,
                    help="multiply every case's duration (and request counts) by this (quick trial runs)")
     e.add_argument("--rate-scale", type=float, default=None,
-                   help="multiply every case's arrival rates by this (default: an experiment with a calibrate block "
-                        "probes its server first and scales its rates to the server's capacity; others run as written)")
+                   help="run every case's traffic at this pace: rates times F, durations and periods divided by F "
+                        "(default: an experiment with a calibrate block probes its server first and sets F from the "
+                        "server's capacity; others run as written)")
     e.add_argument("--no-gateway", action="store_true", help="drive the backends directly (no gateway in between)")
     e.add_argument("--port-base", type=int, default=None,
                    help="first TCP port for backends and the gateway (default: free ports chosen by the OS)")

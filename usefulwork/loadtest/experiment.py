@@ -125,13 +125,21 @@ class Experiment:
     calibrate: dict[str, Any] | None = None  # rates sized for a server's capacity: scaled to this one's (calibrate.py)
 
     def scale_rates(self, factor: float) -> None:
-        """Multiply every case's arrival rates (shapes' overrides too) by ``factor``: a run at a server's
-        calibrated capacity. The cells, their verdicts and the report all read the scaled rates."""
+        """The same traffic at ``factor`` times the pace, for a server ``factor`` times as fast: every case's
+        arrival rates times ``factor``, its durations and on/off periods divided by it (shapes' overrides
+        too), so each cell sends the same requests, its arrivals stretched or squeezed in time. (Rates alone
+        left a slow server's cells a few requests each: a 60 s cell at a quarter of the rate drew 16
+        arrivals where 9 were expected, and Poisson noise made the "under capacity" cell an overload.)
+        Timeouts and drains stay: they are the SLO's. The cells, their verdicts and the report all read the
+        scaled cases."""
         specs = [*self.cases.values(), *((s.get("cases") or {}).get(c) or {} for s in self.shapes for c in self.cases)]
         for spec in specs:
             arr = spec.get("arrival")
             if isinstance(arr, dict):
-                spec["arrival"] = {k: v * factor if k in ("rate", "base_rate", "peak_rate") else v for k, v in arr.items()}
+                spec["arrival"] = {k: v * factor if k in ("rate", "base_rate", "peak_rate")
+                                   else v / factor if k == "period_s" else v for k, v in arr.items()}
+            if spec.get("duration_s") is not None:
+                spec["duration_s"] = spec["duration_s"] / factor
 
     def case_for(self, shape: dict[str, Any], case_name: str) -> Case:
         spec = _deep_merge(self.cases[case_name], (shape.get("cases") or {}).get(case_name) or {})
@@ -547,8 +555,8 @@ class Options:
     port_base: int | None = None  # None: free ports chosen by the OS (no clash with ephemeral ports)
     cpu_lock: str | None = None
     quiet: bool = False
-    # multiplies every arrival rate; None: the server's calibrated scale where the experiment has a
-    # ``calibrate`` block (a probe before the first cell), else 1
+    # the pace of every case's traffic (``Experiment.scale_rates``); None: the server's calibrated scale
+    # where the experiment has a ``calibrate`` block (a probe before the first cell), else 1
     rate_scale: float | None = None
 
 
