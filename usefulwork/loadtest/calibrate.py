@@ -4,8 +4,9 @@ An experiment on the local CPU vLLM sizes its rates for one server: ``admission-
 bracket what that server holds within the SLO, its burst and "2x" cells are multiples of it. CPUs differ
 by several times (an AMX host holds ~0.85 req/s at 512/128, an AVX2 host a fraction of 0.6), so fixed
 rates made no overload on one host and a collapse from the first cell on another. An experiment with a
-``calibrate:`` block (``sized_for_rps``: the capacity its rates were sized for) is run at its rates times
-``estimated capacity / sized_for_rps``:
+``calibrate:`` block (``sized_for_rps``: the capacity its rates were sized for) sends each cell's traffic
+at ``F = estimated capacity / sized_for_rps`` times the pace (rates x F, durations and periods / F:
+``Experiment.scale_rates``):
 
 1. **Probe** (straight to the first profile's backend, before any cell): one request alone (its first
    token is a prompt's prefill time ``P``, its token gaps the decode step of one sequence ``D(1)``), then
@@ -18,10 +19,12 @@ rates made no overload on one host and a collapse from the first cell on another
    Poisson arrivals leave a Poisson number in flight: the capacity is the largest ``lam`` whose TTFT,
    TPOT and E2E meet the SLO with ``L + 1.645 sqrt(L)`` in flight (its 95th percentile: a 95%
    attainment). A slow server runs few requests at once, so its count swings more: on an AVX2 host
-   (a 2.2 s prefill, 58 ms a token) the mean alone said 0.16 req/s, the 95th percentile 0.09.
+   (a 2.2 s prefill, 60 ms a token) the mean alone said 0.16 req/s, the 95th percentile 0.08 (still
+   high there: cells at 0.92x and 1.23x of it met the SLO for 86-88% of their requests).
 
-The run records the probe, the estimate and the scale (``results.json`` ``calibration``); its capacity
-cells then check the estimate (the one under capacity should meet the SLO, the one over it should not).
+The run records the probe, the estimate and the scale (``results.json`` ``calibration``). The estimate
+sizes the cells; the capacity the verdicts use is still the one the capacity cells measure (where the
+estimate is right, the cell under it meets the SLO and the one over it does not).
 """
 
 from __future__ import annotations

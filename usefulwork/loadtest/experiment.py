@@ -128,8 +128,8 @@ class Experiment:
         """The same traffic at ``factor`` times the pace, for a server ``factor`` times as fast: every case's
         arrival rates times ``factor``, its durations and on/off periods divided by it (shapes' overrides
         too), so each cell sends the same requests, its arrivals stretched or squeezed in time. (Rates alone
-        left a slow server's cells a few requests each: a 60 s cell at a quarter of the rate drew 16
-        arrivals where 9 were expected, and Poisson noise made the "under capacity" cell an overload.)
+        left a slow server's cells a fraction of their requests: the 60 s "capacity" cell at a quarter of
+        the rate sent 16 of its 37, and its verdicts rested on a handful.)
         Timeouts and drains stay: they are the SLO's. The cells, their verdicts and the report all read the
         scaled cases."""
         specs = [*self.cases.values(), *((s.get("cases") or {}).get(c) or {} for s in self.shapes for c in self.cases)]
