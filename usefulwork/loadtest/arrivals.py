@@ -183,6 +183,14 @@ def from_spec(spec: Mapping[str, Any]) -> ArrivalProcess:
     return proc
 
 
+def paced(spec: Mapping[str, Any] | None, factor: float) -> dict[str, Any] | None:
+    """The same arrivals at ``factor`` times the pace: rates times ``factor``, on/off periods divided by it."""
+    if spec is None:
+        return None
+    return {k: v * factor if k in ("rate", "base_rate", "peak_rate") else v / factor if k == "period_s" else v
+            for k, v in spec.items()}
+
+
 def planned_offsets(process: ArrivalProcess, rng: np.random.Generator, *, duration_s: float | None = None,
                     count: int | None = None) -> list[float]:
     """The first offsets, stopping at ``count`` arrivals or before ``duration_s`` (whichever first)."""

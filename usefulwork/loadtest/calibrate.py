@@ -82,9 +82,14 @@ def operating_point(p: Probe, lam: float) -> dict[str, float] | None:
     inflight = c0 / (1.0 - c1)
     if inflight < 1.0:  # (fewer than one sequence on average: the step of one)
         inflight = lam * (p.prefill_s + out * p.decode_1_s) / (1.0 - u)
+    return _point(p, inflight, u)
+
+
+def _point(p: Probe, inflight: float, u: float) -> dict[str, float]:
+    """TTFT, TPOT and E2E with ``inflight`` sequences while prefills hold the engine a share ``u`` of its time."""
     tpot = p.decode_s(inflight) / (1.0 - u)
-    return {"inflight": inflight, "ttft_s": p.prefill_s / (1.0 - u), "tpot_s": tpot,
-            "e2e_s": p.prefill_s / (1.0 - u) + out * tpot}
+    ttft = p.prefill_s / (1.0 - u)
+    return {"inflight": inflight, "ttft_s": ttft, "tpot_s": tpot, "e2e_s": ttft + max(1, p.output_tokens - 1) * tpot}
 
 
 def at_p95(p: Probe, lam: float, z: float = Z95) -> dict[str, float] | None:
@@ -96,11 +101,7 @@ def at_p95(p: Probe, lam: float, z: float = Z95) -> dict[str, float] | None:
         return None
     n = mean["inflight"] + z * math.sqrt(mean["inflight"])
     u = lam * n / mean["inflight"] * p.stall_s
-    if u >= 1.0:
-        return None
-    tpot = p.decode_s(n) / (1.0 - u)
-    ttft = p.prefill_s / (1.0 - u)
-    return {"inflight": n, "ttft_s": ttft, "tpot_s": tpot, "e2e_s": ttft + max(1, p.output_tokens - 1) * tpot}
+    return None if u >= 1.0 else _point(p, n, u)
 
 
 def capacity(p: Probe, ttft_s: float, tpot_s: float, e2e_s: float, z: float = Z95) -> float:

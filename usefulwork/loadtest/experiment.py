@@ -134,10 +134,8 @@ class Experiment:
         scaled cases."""
         specs = [*self.cases.values(), *((s.get("cases") or {}).get(c) or {} for s in self.shapes for c in self.cases)]
         for spec in specs:
-            arr = spec.get("arrival")
-            if isinstance(arr, dict):
-                spec["arrival"] = {k: v * factor if k in ("rate", "base_rate", "peak_rate")
-                                   else v / factor if k == "period_s" else v for k, v in arr.items()}
+            if isinstance(spec.get("arrival"), dict):
+                spec["arrival"] = arrivals.paced(spec["arrival"], factor)
             if spec.get("duration_s") is not None:
                 spec["duration_s"] = spec["duration_s"] / factor
 
@@ -514,13 +512,7 @@ def wait_idle(base_url: str, timeout_s: float = 120.0) -> float:
 
 def to_wall(case: Case, s: float) -> tuple[dict[str, Any] | None, float | None, float, float | None]:
     """(arrival spec, duration, timeout, drain) in wall seconds for a backend at time scale s."""
-    arr = copy.deepcopy(case.arrival)
-    if arr and s != 1.0:
-        for k in ("rate", "base_rate", "peak_rate"):
-            if k in arr:
-                arr[k] = arr[k] * s
-        if "period_s" in arr:
-            arr["period_s"] = arr["period_s"] / s
+    arr = arrivals.paced(case.arrival, s) if case.arrival and s != 1.0 else copy.deepcopy(case.arrival)
     dur = None if case.duration_s is None else case.duration_s / s
     drain = None if case.drain_s is None else case.drain_s / s
     return arr, dur, case.timeout_s / s, drain

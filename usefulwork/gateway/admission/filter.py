@@ -320,6 +320,7 @@ class AdmissionFilter:
         ctx = call.ctx
         now = self.clock()
         sample = None
+        counted = ctx.usage_source != "none"  # (the backend counted the tokens)
         if t.admitted_at is not None:
             # (a unary answer's first byte is its last: its TTFT is its E2E, as the client sees it; its TPOT
             # is unknown, not zero)
@@ -332,8 +333,8 @@ class AdmissionFilter:
                             tokens=ctx.prompt_tokens + ctx.completion_tokens,
                             ok=ok and ctx.status_code < 400 and ctx.t_first_token is not None,
                             inflight_at_admit=t.inflight_at_admit, cls=t.cls,
-                            completion=ctx.completion_tokens if ctx.usage_source != "none" else None)
-        actual = ctx.prompt_tokens + ctx.completion_tokens if ctx.usage_source != "none" else None
+                            completion=ctx.completion_tokens if counted else None)
+        actual = ctx.prompt_tokens + ctx.completion_tokens if counted else None
         self._dispatch(queue, queue.release(t, now, sample, actual))
 
     def _finish(self, queue: PoolQueue, t: Ticket, call: Call, tenant_cfg, tokens: int):
