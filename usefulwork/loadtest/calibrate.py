@@ -2,42 +2,56 @@
 
 An experiment on the local CPU vLLM sizes its rates for one server: ``admission-vllm``'s "capacity" cells
 bracket what that server holds within the SLO, its burst and "2x" cells are multiples of it. CPUs differ
-by several times (an AMX host holds ~0.85 req/s at 512/128, an AVX2 host a fraction of 0.6), so fixed
+by several times (an AMX host holds ~0.85 req/s at 512/128, an AVX2 host well under 0.1), so fixed
 rates made no overload on one host and a collapse from the first cell on another. An experiment with a
 ``calibrate:`` block (``sized_for_rps``: the capacity its rates were sized for) sends each cell's traffic
 at ``F = estimated capacity / sized_for_rps`` times the pace (rates x F, durations and periods / F:
 ``Experiment.scale_rates``):
 
-1. **Probe** (straight to the first profile's backend, before any cell): one request alone (its first
-   token is a prompt's prefill time ``P``, its token gaps the decode step of one sequence ``D(1)``), then
-   ``concurrency`` requests at once (the gaps after the last first token: the step with that many
-   sequences decoding, ``D(n)``). Decode steps grow linearly with the sequences in them:
-   ``D(L) = D(1) + (D(n) - D(1)) (L - 1) / (n - 1)``.
-2. **Model.** At ``lam`` requests/s each prompt's prefill holds the engine ``P`` (a share ``u = lam P``
-   of its time), so every token waits ``D(L) / (1 - u)`` and a request takes
-   ``E2E = (P + (out - 1) D(L)) / (1 - u)``; Little's law closes it (``L = lam E2E``, linear in ``L``).
-   Poisson arrivals leave a Poisson number in flight: the capacity is the largest ``lam`` whose TTFT,
-   TPOT and E2E meet the SLO with ``L + 1.645 sqrt(L)`` in flight (its 95th percentile: a 95%
-   attainment). A slow server runs few requests at once, so its count swings more: on an AVX2 host
-   (a 2.2 s prefill, 60 ms a token) the mean alone said 0.16 req/s, the 95th percentile 0.08 (still
-   high there: cells at 0.92x and 1.23x of it met the SLO for 86-88% of their requests).
+1. **Probe** (straight to the first profile's backend, before any cell): a one-word prompt (the API's
+   own time and one step), one prompt of the first shape alone (its first token ``P``; its token gaps,
+   one sequence's decode step ``D(1)``), then ``concurrency`` prompts at once (the time to the last one's
+   first token: full prefill steps; the gaps after it: the step with that many sequences ``D(n)``).
+2. **Step model** (``StepModel.fit``): a step costs ``a + c (sequences in it) + b x + q x^2`` for ``x``
+   prompt tokens in it: ``c`` from ``D(n) - D(1)``, ``a`` from ``D(1)``, ``b`` from the lone prompt and
+   ``q`` from the prompts sent together (a full step costs more per token than a lone prompt's on a GPU).
+3. **Capacity** (``capacity``): the server on the simulator's virtual clock (``sim/engine.py``: vLLM V1's
+   scheduler, running sequences first, then waiting prompts in chunks under a 2,048-token budget) with
+   those step times, Poisson arrivals of the first shape: the largest rate at which 95% of the requests
+   meet the SLO's TTFT, TPOT and E2E (the loadtest's attainment), over three arrival seeds.
 
-The run records the probe, the estimate and the scale (``results.json`` ``calibration``). The estimate
-sizes the cells; the capacity the verdicts use is still the one the capacity cells measure (where the
-estimate is right, the cell under it meets the SLO and the one over it does not).
+Why a simulation: the closed form it replaced (Little's law, prefills as a share of the engine's time,
+the in-flight count at its 95th percentile) missed what sets a slow server's tail: how many prompts a
+request finds ahead of its own, and how many prefills stall its decode. On an AVX2 host (a 2.2 s prefill,
+61 ms a token alone, 141 with 8) it said 0.082 req/s, where cells at 0.0756 and 0.1004 req/s met the SLO
+for 86.5% and 88.2% of their requests; simulated, the same probe gives 0.059 req/s, and 89-93% / 77-82%
+at those rates (docs/benchmarks.md section 7, session 26). On the simulated A100 it gives 12.4 req/s
+where the admission experiment measures 11.13 (the closed form: 10.7).
+
+The run records the probe, the step model, the estimate and the scale (``results.json`` ``calibration``).
+The estimate sizes the cells; the capacity the verdicts use is still the one the capacity cells measure
+(where the estimate is right, the cell under it meets the SLO and the one over it does not).
 """
 
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from usefulwork.backends.sim.catalog import build_spec
+from usefulwork.backends.sim.engine import SimEngine
 from usefulwork.loadtest.runner import LoadSpec, RunOutput, Target, run_sync
 from usefulwork.loadtest.workloads import Workload
 
-Z95 = 1.645  # the in-flight count's 95th percentile, in standard deviations (a 95% attainment)
-SCALE_RANGE = (0.1, 10.0)  # a scale outside this is a broken probe, not a server
+BUDGET_TOKENS = 2048  # vLLM V1's max_num_batched_tokens for its OpenAI server (GPU and CPU defaults)
+MAX_SEQS = 128  # vLLM's CPU default max_num_seqs (a GPU's larger default does not bind at the SLO's concurrency)
+REQUESTS = 600  # simulated requests per arrival seed (the first ``WARM`` are not judged: an empty server)
+WARM = 50
+SEEDS = (0, 1, 2)
+TARGET = 0.95  # the attainment the capacity holds
+SCALE_RANGE = (0.02, 10.0)  # a scale outside this is a broken probe, not a server
 
 
 class CalibrationError(RuntimeError):
@@ -52,6 +66,8 @@ class Probe:
     decode_n_s: float  # the time per token with ``concurrency`` sequences decoding together
     output_tokens: int
     base_s: float = 0.0  # a lone one-word prompt's time to first token: the API's own time and one step
+    prompt_tokens: int = 512
+    together_first_s: float = 0.0  # from sending ``concurrency`` prompts at once to the last one's first token
 
     @property
     def stall_s(self) -> float:
@@ -59,64 +75,99 @@ class Probe:
         sequence wait that long): a lone prompt's first token less a one-word prompt's."""
         return max(0.0, self.prefill_s - self.base_s)
 
-    def decode_s(self, sequences: float) -> float:
-        """The decode step with ``sequences`` in it (linear between the two measured points, beyond them too)."""
-        return self.decode_1_s + self.slope * (max(1.0, sequences) - 1.0)
-
     @property
     def slope(self) -> float:
+        """A decode step's cost per sequence in it."""
         return max(0.0, (self.decode_n_s - self.decode_1_s) / max(1, self.concurrency - 1))
 
 
-def operating_point(p: Probe, lam: float) -> dict[str, float] | None:
-    """(in flight, TTFT, TPOT, E2E) at ``lam`` requests/s by the model; None where the server cannot keep up."""
-    u = lam * p.stall_s
-    if u >= 1.0:
-        return None
-    out = max(1, p.output_tokens - 1)
-    # L = lam E2E, E2E = (P + out (D1 + s (L - 1))) / (1 - u): linear in L
-    c0 = lam * (p.prefill_s + out * (p.decode_1_s - p.slope)) / (1.0 - u)
-    c1 = lam * out * p.slope / (1.0 - u)
-    if c1 >= 1.0:
-        return None
-    inflight = c0 / (1.0 - c1)
-    if inflight < 1.0:  # (fewer than one sequence on average: the step of one)
-        inflight = lam * (p.prefill_s + out * p.decode_1_s) / (1.0 - u)
-    return _point(p, inflight, u)
+@dataclass(frozen=True)
+class StepModel:
+    """A step's seconds: ``step_s + per_seq_s x sequences + per_token_s x t + per_token2_s x t^2`` for ``t``
+    prompt tokens in it; ``front_end_s``: a request's time in the API before the engine sees it."""
+
+    step_s: float
+    per_seq_s: float
+    per_token_s: float
+    per_token2_s: float
+    front_end_s: float
+
+    @classmethod
+    def fit(cls, p: Probe, budget: int = BUDGET_TOKENS) -> StepModel:
+        c = p.slope
+        a = max(1e-4, p.decode_1_s - c)
+        front = max(0.0, p.base_s - p.decode_1_s)
+        n_tok = max(1, p.prompt_tokens)
+        one = max(1e-6, p.prefill_s - front - a - c)  # a lone prompt's step less its fixed costs: b n + q n^2
+        b, q = one / n_tok, 0.0
+        if p.together_first_s > 0 and p.concurrency > 1:
+            # The prompts sent together fill whole steps; what those took beyond ``b`` per token is ``q``.
+            chunks, left = [], p.concurrency * n_tok
+            while left > 0:
+                chunks.append(min(budget, left))
+                left -= chunks[-1]
+            seqs = [min(p.concurrency, math.ceil((i + 1) * budget / n_tok)) for i in range(len(chunks))]
+            rest = p.together_first_s - front - sum(a + c * s for s in seqs)
+            sx, sx2 = sum(chunks), sum(x * x for x in chunks)
+            if sx2 > n_tok * sx:  # (steps larger than one prompt: else ``q`` is not seen)
+                q = max(0.0, (rest - one / n_tok * sx) / (sx2 - n_tok * sx))
+                b = max(0.0, (one - q * n_tok * n_tok) / n_tok)
+        return cls(a, c, b, q, front)
+
+    def seconds(self, plan: Any) -> float:
+        t = plan.num_prefill_tokens
+        return self.step_s + self.per_seq_s * len(plan.items) + self.per_token_s * t + self.per_token2_s * t * t
 
 
-def _point(p: Probe, inflight: float, u: float) -> dict[str, float]:
-    """TTFT, TPOT and E2E with ``inflight`` sequences while prefills hold the engine a share ``u`` of its time."""
-    tpot = p.decode_s(inflight) / (1.0 - u)
-    ttft = p.prefill_s / (1.0 - u)
-    return {"inflight": inflight, "ttft_s": ttft, "tpot_s": tpot, "e2e_s": ttft + max(1, p.output_tokens - 1) * tpot}
+def simulate(p: Probe, lam: float, slo_s: tuple[float, float, float], requests: int = REQUESTS, seed: int = 0,
+             model: StepModel | None = None) -> dict[str, float]:
+    """The probe's server at ``lam`` requests/s (Poisson, the probe's prompt and output lengths) on the
+    simulator's virtual clock: the share of requests within the SLO (``slo_s``: TTFT, TPOT, E2E seconds)
+    and the 95th percentiles, the first ``WARM`` requests not judged."""
+    m = model or StepModel.fit(p)
+    n_in, n_out = max(1, p.prompt_tokens), max(2, p.output_tokens)
+    block = 16
+    spec = build_spec(model="Llama-3.1-8B", profile="cpu", overrides={
+        "max_num_seqs": MAX_SEQS, "max_num_batched_tokens": BUDGET_TOKENS, "max_model_len": n_in + n_out,
+        "block_size": block, "enable_prefix_caching": False,
+        "num_gpu_blocks_override": (MAX_SEQS + 1) * math.ceil((n_in + n_out) / block)})  # (never KV-bound: not probed)
+    eng = SimEngine(spec, seed=seed, timer=m, request_overhead_s=m.front_end_s)
+    rng, t, reqs = random.Random(seed), 0.0, []
+    for i in range(requests):
+        t += rng.expovariate(lam)
+        reqs.append(eng.add_request([1000 + i % 100_000] * n_in, n_out, ignore_eos=True, arrival_time=t))
+    eng.run_until_idle()
+    judged = reqs[min(WARM, requests // 4):]
+    ttft = sorted(r.first_token_time - r.arrival_time for r in judged)
+    tpot = sorted((r.finish_time - r.first_token_time) / (n_out - 1) for r in judged)
+    e2e = sorted(r.finish_time - r.arrival_time for r in judged)
+    ok = sum(1 for r in judged if r.first_token_time - r.arrival_time <= slo_s[0]
+             and (r.finish_time - r.first_token_time) / (n_out - 1) <= slo_s[1] and r.finish_time - r.arrival_time <= slo_s[2])
+    pct = lambda xs: xs[min(len(xs) - 1, int(0.95 * len(xs)))]  # noqa: E731
+    return {"rps": lam, "attainment": ok / len(judged), "p95_ttft_s": pct(ttft), "p95_tpot_s": pct(tpot),
+            "p95_e2e_s": pct(e2e)}
 
 
-def at_p95(p: Probe, lam: float, z: float = Z95) -> dict[str, float] | None:
-    """The operating point at ``lam`` requests/s with the in-flight count at its 95th percentile
-    (``L + z sqrt(L)``: Poisson arrivals leave a Poisson number in flight), arrivals and prefills in the
-    same proportion; None where the server cannot keep up."""
-    mean = operating_point(p, lam)
-    if mean is None:
-        return None
-    n = mean["inflight"] + z * math.sqrt(mean["inflight"])
-    u = lam * n / mean["inflight"] * p.stall_s
-    return None if u >= 1.0 else _point(p, n, u)
+def attainment(p: Probe, lam: float, slo_s: tuple[float, float, float], requests: int = REQUESTS,
+               seeds: tuple[int, ...] = SEEDS, model: StepModel | None = None) -> float:
+    """Mean share of requests within the SLO at ``lam`` requests/s over ``seeds`` (``simulate``)."""
+    m = model or StepModel.fit(p)
+    return sum(simulate(p, lam, slo_s, requests, s, m)["attainment"] for s in seeds) / len(seeds)
 
 
-def capacity(p: Probe, ttft_s: float, tpot_s: float, e2e_s: float, z: float = Z95) -> float:
-    """The largest arrival rate (requests/s) whose TTFT, TPOT and E2E meet the SLO with the in-flight
-    count at its 95th percentile (``at_p95``): the rate a 95% attainment holds."""
-    def ok(lam: float) -> bool:
-        pt = at_p95(p, lam, z)
-        return pt is not None and pt["ttft_s"] <= ttft_s and pt["tpot_s"] <= tpot_s and pt["e2e_s"] <= e2e_s
-
-    if not ok(1e-6):
+def capacity(p: Probe, ttft_s: float, tpot_s: float, e2e_s: float, requests: int = REQUESTS,
+             seeds: tuple[int, ...] = SEEDS, target: float = TARGET) -> float:
+    """The largest arrival rate (requests/s) at which ``target`` of the requests meet the SLO on the
+    simulated server (``attainment``); 0 where even a lone request misses it. The same arrivals are
+    scaled for every rate tried, so the attainment falls with the rate and a bisection finds the edge."""
+    m, slo = StepModel.fit(p), (ttft_s, tpot_s, e2e_s)
+    hi = 1.0 / max(p.stall_s, 1e-3)  # beyond that the prefills alone fill the engine
+    lo = hi / 1000.0
+    if attainment(p, lo, slo, requests, seeds, m) < target:
         return 0.0
-    lo, hi = 1e-6, 1.0 / max(p.stall_s, 1e-3)  # beyond that the prefills alone fill the engine
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    for _ in range(10):  # (geometric over three orders of magnitude: to within 0.7%)
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if attainment(p, mid, slo, requests, seeds, m) >= target else (lo, mid)
     return lo
 
 
@@ -129,8 +180,8 @@ def _ok(out: RunOutput, want: int) -> list:
 
 
 def probe(url: str, model: str, workload: Workload, concurrency: int, timeout_s: float, tiny: Workload,
-          time_scale: float = 1.0, seed: int = 0) -> Probe:
-    """Measure ``Probe`` on the server at ``url`` with ``workload``'s prompts (``tiny``: a one-word prompt,
+          time_scale: float = 1.0, seed: int = 0, prompt_tokens: int = 512) -> Probe:
+    """Measure ``Probe`` on the server at ``url`` with ``workload``'s prompts of ``prompt_tokens`` (``tiny``: a one-word prompt,
     two tokens out; ``time_scale``: a simulator's simulated seconds per wall second, the figures come back
     in simulated seconds). Times per token are means over spans (a stream may deliver several tokens in
     one read), not medians of gaps."""
@@ -148,6 +199,7 @@ def probe(url: str, model: str, workload: Workload, concurrency: int, timeout_s:
     alone = run(1, seed)[0]
     together = run(concurrency, seed + 1)
     last_first = max(r.sent + r.ttft for r in together)
+    sent = min(r.sent for r in together)
     span, tokens = 0.0, 0
     for r in together:
         t = r.sent + r.ttft
@@ -159,15 +211,17 @@ def probe(url: str, model: str, workload: Workload, concurrency: int, timeout_s:
     if not tokens:
         raise CalibrationError("no token came after the last prompt's prefill: raise output_tokens or lower concurrency")
     return Probe(prefill_s=alone.ttft, decode_1_s=sum(alone.itl) / len(alone.itl), concurrency=concurrency,
-                 decode_n_s=span / tokens, output_tokens=alone.output_tokens or len(alone.itl) + 1, base_s=base.ttft)
+                 decode_n_s=span / tokens, output_tokens=alone.output_tokens or len(alone.itl) + 1, base_s=base.ttft,
+                 prompt_tokens=prompt_tokens, together_first_s=last_first - sent)
 
 
 def scale_for(p: Probe, sized_for_rps: float, slo: Any) -> dict[str, Any]:
-    """The calibration record: the probe, the estimated capacity and the scale for the rates."""
-    est = capacity(p, slo.ttft_ms / 1e3, slo.tpot_ms / 1e3, slo.e2e_ms / 1e3)
+    """The calibration record: the probe, the step model, the estimated capacity and the scale for the rates."""
+    slo_s = (slo.ttft_ms / 1e3, slo.tpot_ms / 1e3, slo.e2e_ms / 1e3)
+    est = capacity(p, *slo_s)
     scale = est / sized_for_rps
     if not SCALE_RANGE[0] <= scale <= SCALE_RANGE[1]:
         raise CalibrationError(f"estimated capacity {est:.3g} req/s against rates sized for {sized_for_rps:g}: "
                                f"scale {scale:.3g} is outside {SCALE_RANGE}; probe {asdict(p)}")
-    return {"probe": asdict(p), "estimated_capacity_rps": est, "sized_for_rps": sized_for_rps, "rate_scale": scale,
-            "at_capacity": {"mean": operating_point(p, est), "p95": at_p95(p, est)}}
+    return {"probe": asdict(p), "step_model": asdict(StepModel.fit(p)), "estimated_capacity_rps": est,
+            "sized_for_rps": sized_for_rps, "rate_scale": scale, "at_capacity": simulate(p, est, slo_s)}

@@ -688,19 +688,23 @@ def calibration(exp: Experiment, profile: Profile, url: str, console: Console) -
 
     cal = exp.calibrate or {}
     shape = exp.shapes[0]
-    wl = workloads.from_spec({"type": "synthetic", "prompt_tokens": shape.get("prompt_tokens", 512),
-                              "output_tokens": shape.get("output_tokens", 128)})
+    prompt = shape.get("prompt_tokens", 512)
+    wl = workloads.from_spec({"type": "synthetic", "prompt_tokens": prompt, "output_tokens": shape.get("output_tokens", 128)})
     t0 = time.monotonic()
     p = calibrate.probe(url, served_name(exp), wl, int(cal.get("concurrency", 8)), float(cal.get("timeout_s", 300.0)),
                         workloads.from_spec({"type": "synthetic", "prompt_tokens": 1, "output_tokens": 2}),
-                        time_scale(exp, profile), seed=cell_seed(exp.seed, shape["name"], "calibrate"))
+                        time_scale(exp, profile), seed=cell_seed(exp.seed, shape["name"], "calibrate"),
+                        prompt_tokens=round(workloads.Lengths.parse(prompt, "prompt_tokens").expected))
     rec = calibrate.scale_for(p, float(cal["sized_for_rps"]), exp.slo)
     rec["wall_s"] = time.monotonic() - t0
+    at = rec["at_capacity"]
     console.print(f"[bold]{profile.name}[/]: calibrated in {rec['wall_s']:.0f}s: prefill {p.prefill_s:.3f}s "
-                  f"({p.stall_s:.3f}s of engine), "
+                  f"({p.stall_s:.3f}s of engine), {p.concurrency} prompts' first tokens in {p.together_first_s:.3f}s, "
                   f"decode {p.decode_1_s * 1e3:.0f} ms/token alone, {p.decode_n_s * 1e3:.0f} with {p.concurrency}; "
-                  f"estimated capacity {rec['estimated_capacity_rps']:.3g} req/s against rates sized for "
-                  f"{rec['sized_for_rps']:g}: rates x{rec['rate_scale']:.3g}", highlight=False)
+                  f"estimated capacity {rec['estimated_capacity_rps']:.3g} req/s (simulated there: "
+                  f"{at['attainment']:.1%} within the SLO, p95 TTFT {at['p95_ttft_s']:.2f}s, TPOT "
+                  f"{at['p95_tpot_s'] * 1e3:.0f} ms) against rates sized for {rec['sized_for_rps']:g}: "
+                  f"rates x{rec['rate_scale']:.3g}", highlight=False)
     return rec
 
 

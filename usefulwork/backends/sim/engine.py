@@ -105,7 +105,7 @@ class EngineStats:
 
 class SimEngine:
     def __init__(self, spec: SimSpec, seed: int = 0, output_token_ids: Sequence[int] | None = None,
-                 kv_events: Any = None):
+                 kv_events: Any = None, timer: Any = None, request_overhead_s: float | None = None):
         self.spec = spec
         self.seed = seed
         self.now = 0.0  # simulated seconds
@@ -122,7 +122,9 @@ class SimEngine:
             policy=spec.flags.scheduler,
             scheduling_policy=spec.flags.scheduling_policy,
         )
-        self.timer = StepTimer(spec)
+        # timer: a step's seconds (``seconds(plan)``), the spec's roofline unless given (a model fitted to a
+        # measured server: loadtest/calibrate.py); request_overhead_s: the API front-end's delay, the spec's unless given
+        self.timer = timer or StepTimer(spec)
         self.stats = EngineStats()
         token_buckets = request_latency_buckets_tokens(spec.max_model_len)
         self.stats.request_prompt_tokens = Histogram(token_buckets)
@@ -131,7 +133,8 @@ class SimEngine:
         self._ids = itertools.count()
         self._output_ids = tuple(output_token_ids or DEFAULT_OUTPUT_IDS)
         self._pending: list[SimRequest] = []  # accepted, still in the API front-end (ready_time ahead)
-        self._request_overhead = spec.gpu.calibration.request_overhead_ms / 1e3
+        self._request_overhead = (spec.gpu.calibration.request_overhead_ms / 1e3 if request_overhead_s is None
+                                  else request_overhead_s)
 
     # -- requests --
     def add_request(
