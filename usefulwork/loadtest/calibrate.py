@@ -25,8 +25,9 @@ the in-flight count at its 95th percentile) missed what sets a slow server's tai
 request finds ahead of its own, and how many prefills stall its decode. On an AVX2 host (a 2.2 s prefill,
 61 ms a token alone, 141 with 8) it said 0.082 req/s, where cells at 0.0756 and 0.1004 req/s met the SLO
 for 86.5% and 88.2% of their requests; simulated, the same probe gives 0.059 req/s, and 89-93% / 77-82%
-at those rates (docs/benchmarks.md section 7, session 26). On the simulated A100 it gives 12.4 req/s
-where the admission experiment measures 11.13 (the closed form: 10.7).
+at those rates (docs/benchmarks.md section 7, session 26). On the simulated A100 it gives 9.6 req/s from
+a probe through HTTP (12.4 from the engine's own step times), where the admission experiment measures
+11.13 (the closed form: 10.7).
 
 The run records the probe, the step model, the estimate and the scale (``results.json`` ``calibration``).
 The estimate sizes the cells; the capacity the verdicts use is still the one the capacity cells measure
