@@ -92,6 +92,9 @@ def test_the_simulated_server_matches_what_the_real_one_served():
     assert 0.04 < c < 0.0756
     at = calibrate.simulate(AVX2, c, CPU_SLO, requests=300)
     assert at["attainment"] >= 0.95 and at["p95_ttft_s"] < 5.0
+    # with its steps 15% slower than probed, the same server holds markedly less (near capacity a slow
+    # server's attainment is that sensitive to its speed)
+    assert calibrate.capacity(AVX2, *CPU_SLO, requests=300, seeds=(0,), margin=0.15) < 0.85 * c
     # twice as fast a decode: more capacity; a slower prefill: less; a server that misses the SLO alone: none
     fast = Probe(2.238, 0.0609 / 2, 8, 0.1407 / 2, 128, 0.0662)
     assert calibrate.capacity(fast, *CPU_SLO, requests=300, seeds=(0,)) > 1.3 * c
@@ -119,7 +122,8 @@ def test_the_step_model_is_fitted_from_the_probe():
 
 
 def test_bad_calibrate_blocks_name_the_field(tmp_path):
-    for bad in ("{sized_for_rps: 0}", "{sized_for_rps: fast}", "{sized_for_rps: 1, concurrency: 1}", "{rps: 1}", "7"):
+    for bad in ("{sized_for_rps: 0}", "{sized_for_rps: fast}", "{sized_for_rps: 1, concurrency: 1}", "{rps: 1}", "7",
+                "{sized_for_rps: 1, speed_margin: 1.5}", "{sized_for_rps: 1, speed_margin: true}"):
         f = tmp_path / "bad.yaml"
         f.write_text(CALIBRATED.format(gpu="A100-80G").replace("{sized_for_rps: 11, concurrency: 16}", bad))
         with pytest.raises(ExperimentError, match="calibrate takes sized_for_rps"):
@@ -128,7 +132,7 @@ def test_bad_calibrate_blocks_name_the_field(tmp_path):
 
 def test_the_admission_vllm_experiment_is_calibrated():
     exp = load_experiment("admission-vllm")
-    assert exp.calibrate["sized_for_rps"] > 0
+    assert exp.calibrate["sized_for_rps"] > 0 and 0 < exp.calibrate["speed_margin"] < 0.5
     cells = {c.name: c for _, _, c in plan(exp, Options())}
     exp.scale_rates(2.0)
     scaled = {c.name: c for _, _, c in plan(exp, Options())}

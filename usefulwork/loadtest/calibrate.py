@@ -18,7 +18,10 @@ at ``F = estimated capacity / sized_for_rps`` times the pace (rates x F, duratio
 3. **Capacity** (``capacity``): the server on the simulator's virtual clock (``sim/engine.py``: vLLM V1's
    scheduler, running sequences first, then waiting prompts in chunks under a 2,048-token budget) with
    those step times, Poisson arrivals of the first shape: the largest rate at which 95% of the requests
-   meet the SLO's TTFT, TPOT and E2E (the loadtest's attainment), over three arrival seeds.
+   meet the SLO's TTFT, TPOT and E2E (the loadtest's attainment), over three arrival seeds. With
+   ``speed_margin: m`` the steps are ``1 + m`` times as long as probed: near its capacity a slow server's
+   attainment moves ~15 points for a 10-15% change in its speed, and the probe is a minute's sample of a
+   host that also runs the gateway and the load generator during the cells.
 
 Why a simulation: the closed form it replaced (Little's law, prefills as a share of the engine's time,
 the in-flight count at its 95th percentile) missed what sets a slow server's tail: how many prompts a
@@ -115,6 +118,11 @@ class StepModel:
                 b = max(0.0, (one - q * n_tok * n_tok) / n_tok)
         return cls(a, c, b, q, front)
 
+    def slower(self, margin: float) -> StepModel:
+        """Every time ``1 + margin`` times as long."""
+        f = 1.0 + margin
+        return StepModel(self.step_s * f, self.per_seq_s * f, self.per_token_s * f, self.per_token2_s * f, self.front_end_s * f)
+
     def seconds(self, plan: Any) -> float:
         t = plan.num_prefill_tokens
         return self.step_s + self.per_seq_s * len(plan.items) + self.per_token_s * t + self.per_token2_s * t * t
@@ -153,11 +161,12 @@ def attainment(p: Probe, lam: float, slo_s: tuple[float, float, float], requests
 
 
 def capacity(p: Probe, ttft_s: float, tpot_s: float, e2e_s: float, requests: int = REQUESTS,
-             seeds: tuple[int, ...] = SEEDS, target: float = TARGET) -> float:
+             seeds: tuple[int, ...] = SEEDS, target: float = TARGET, margin: float = 0.0) -> float:
     """The largest arrival rate (requests/s) at which ``target`` of the requests meet the SLO on the
-    simulated server (``attainment``); 0 where even a lone request misses it. The same arrivals are
-    scaled for every rate tried, so the attainment falls with the rate and a bisection finds the edge."""
-    m, slo = StepModel.fit(p), (ttft_s, tpot_s, e2e_s)
+    simulated server (``attainment``), its steps ``1 + margin`` times as long as probed; 0 where even a
+    lone request misses it. The same arrivals are scaled for every rate tried, so the attainment falls
+    with the rate and a bisection finds the edge."""
+    m, slo = StepModel.fit(p).slower(margin), (ttft_s, tpot_s, e2e_s)
     hi = 1.0 / max(p.stall_s, 1e-3)  # beyond that the prefills alone fill the engine
     lo = hi / 1000.0
     if attainment(p, lo, slo, requests, seeds, m) < target:
@@ -212,13 +221,16 @@ def probe(url: str, model: str, workload: Workload, concurrency: int, timeout_s:
                  prompt_tokens=prompt_tokens, together_first_s=last_first - sent)
 
 
-def scale_for(p: Probe, sized_for_rps: float, slo: Any) -> dict[str, Any]:
-    """The calibration record: the probe, the step model, the estimated capacity and the scale for the rates."""
+def scale_for(p: Probe, sized_for_rps: float, slo: Any, margin: float = 0.0) -> dict[str, Any]:
+    """The calibration record: the probe, the step model, the estimated capacity (steps ``1 + margin``
+    times as long as probed) and the scale for the rates."""
     slo_s = (slo.ttft_ms / 1e3, slo.tpot_ms / 1e3, slo.e2e_ms / 1e3)
-    est = capacity(p, *slo_s)
+    est = capacity(p, *slo_s, margin=margin)
     scale = est / sized_for_rps
     if not SCALE_RANGE[0] <= scale <= SCALE_RANGE[1]:
         raise CalibrationError(f"estimated capacity {est:.3g} req/s against rates sized for {sized_for_rps:g}: "
                                f"scale {scale:.3g} is outside {SCALE_RANGE}; probe {asdict(p)}")
-    return {"probe": asdict(p), "step_model": asdict(StepModel.fit(p)), "estimated_capacity_rps": est,
-            "sized_for_rps": sized_for_rps, "rate_scale": scale, "at_capacity": simulate(p, est, slo_s)}
+    m = StepModel.fit(p)
+    return {"probe": asdict(p), "step_model": asdict(m), "speed_margin": margin, "estimated_capacity_rps": est,
+            "sized_for_rps": sized_for_rps, "rate_scale": scale,
+            "at_capacity": simulate(p, est, slo_s, model=m.slower(margin))}

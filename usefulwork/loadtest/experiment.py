@@ -236,11 +236,13 @@ def load_experiment(name_or_path: str) -> Experiment:
                 raise ExperimentError(f"{src}: shape {s['name']} overrides unknown case {c!r}")
     cal = raw.get("calibrate")
     if cal is not None:
-        if not isinstance(cal, dict) or set(cal) - {"sized_for_rps", "concurrency", "timeout_s"} \
+        margin = cal.get("speed_margin", 0.0) if isinstance(cal, dict) else None
+        if not isinstance(cal, dict) or set(cal) - {"sized_for_rps", "concurrency", "timeout_s", "speed_margin"} \
                 or not isinstance(cal.get("sized_for_rps"), (int, float)) or cal["sized_for_rps"] <= 0 \
-                or not isinstance(cal.get("concurrency", 8), int) or cal.get("concurrency", 8) < 2:
+                or not isinstance(cal.get("concurrency", 8), int) or cal.get("concurrency", 8) < 2 \
+                or isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
             raise ExperimentError(f"{src}: calibrate takes sized_for_rps (req/s > 0), and optionally concurrency "
-                                  "(an integer >= 2) and timeout_s")
+                                  "(an integer >= 2), timeout_s and speed_margin (0 <= m < 1)")
     exp = Experiment(name=raw.get("name", path.stem), source=src, description=raw.get("description", ""),
                      backend=backend, slo=slo, seed=int(raw.get("seed", 0)), profiles=profiles,
                      shapes=copy.deepcopy(shapes), cases=copy.deepcopy(cases), compare=raw.get("compare") or {}, raw=raw,
@@ -695,13 +697,14 @@ def calibration(exp: Experiment, profile: Profile, url: str, console: Console) -
                         workloads.from_spec({"type": "synthetic", "prompt_tokens": 1, "output_tokens": 2}),
                         time_scale(exp, profile), seed=cell_seed(exp.seed, shape["name"], "calibrate"),
                         prompt_tokens=round(workloads.Lengths.parse(prompt, "prompt_tokens").expected))
-    rec = calibrate.scale_for(p, float(cal["sized_for_rps"]), exp.slo)
+    rec = calibrate.scale_for(p, float(cal["sized_for_rps"]), exp.slo, float(cal.get("speed_margin", 0.0)))
     rec["wall_s"] = time.monotonic() - t0
     at = rec["at_capacity"]
     console.print(f"[bold]{profile.name}[/]: calibrated in {rec['wall_s']:.0f}s: prefill {p.prefill_s:.3f}s "
                   f"({p.stall_s:.3f}s of engine), {p.concurrency} prompts' first tokens in {p.together_first_s:.3f}s, "
                   f"decode {p.decode_1_s * 1e3:.0f} ms/token alone, {p.decode_n_s * 1e3:.0f} with {p.concurrency}; "
-                  f"estimated capacity {rec['estimated_capacity_rps']:.3g} req/s (simulated there: "
+                  f"estimated capacity {rec['estimated_capacity_rps']:.3g} req/s with steps "
+                  f"{rec['speed_margin']:.0%} slower than probed (simulated there: "
                   f"{at['attainment']:.1%} within the SLO, p95 TTFT {at['p95_ttft_s']:.2f}s, TPOT "
                   f"{at['p95_tpot_s'] * 1e3:.0f} ms) against rates sized for {rec['sized_for_rps']:g}: "
                   f"rates x{rec['rate_scale']:.3g}", highlight=False)
