@@ -46,6 +46,7 @@ from typing import Any
 
 from usefulwork.backends.sim.catalog import build_spec
 from usefulwork.backends.sim.engine import SimEngine
+from usefulwork.loadtest.metrics import percentile
 from usefulwork.loadtest.runner import LoadSpec, RunOutput, Target, run_sync
 from usefulwork.loadtest.workloads import Workload
 
@@ -149,7 +150,7 @@ def simulate(p: Probe, lam: float, slo_s: tuple[float, float, float], requests: 
     lat = [(r.first_token_time - r.arrival_time, (r.finish_time - r.first_token_time) / (n_out - 1),
             r.finish_time - r.arrival_time) for r in reqs[min(WARM, requests // 4):]]  # (TTFT, TPOT, E2E)
     ok = sum(1 for x in lat if all(v <= limit for v, limit in zip(x, slo_s)))
-    p95 = [sorted(x[i] for x in lat)[min(len(lat) - 1, int(0.95 * len(lat)))] for i in range(3)]
+    p95 = [percentile([x[i] for x in lat], 95) for i in range(3)]  # (as the loadtest's reports compute them)
     return {"rps": lam, "attainment": ok / len(lat), "p95_ttft_s": p95[0], "p95_tpot_s": p95[1], "p95_e2e_s": p95[2]}
 
 

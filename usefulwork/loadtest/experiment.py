@@ -690,13 +690,13 @@ def calibration(exp: Experiment, profile: Profile, url: str, console: Console) -
 
     cal = exp.calibrate or {}
     shape = exp.shapes[0]
-    prompt = shape.get("prompt_tokens", 512)
-    wl = workloads.from_spec({"type": "synthetic", "prompt_tokens": prompt, "output_tokens": shape.get("output_tokens", 128)})
+    wl = workloads.from_spec({"type": "synthetic", "prompt_tokens": shape.get("prompt_tokens", 512),
+                              "output_tokens": shape.get("output_tokens", 128)})
     t0 = time.monotonic()
     p = calibrate.probe(url, served_name(exp), wl, int(cal.get("concurrency", 8)), float(cal.get("timeout_s", 300.0)),
                         workloads.from_spec({"type": "synthetic", "prompt_tokens": 1, "output_tokens": 2}),
                         time_scale(exp, profile), seed=cell_seed(exp.seed, shape["name"], "calibrate"),
-                        prompt_tokens=round(workloads.Lengths.parse(prompt, "prompt_tokens").expected))
+                        prompt_tokens=round(wl.prompt_tokens.expected))
     rec = calibrate.scale_for(p, float(cal["sized_for_rps"]), exp.slo, float(cal.get("speed_margin", 0.0)))
     rec["wall_s"] = time.monotonic() - t0
     at = rec["at_capacity"]
