@@ -93,21 +93,41 @@ class StatsWindow:
         except (httpx.HTTPError, ValueError, KeyError) as exc:
             self.error = f"GET /usefulwork/stats failed: {exc}"
 
-    def end(self, result: dict[str, Any], settle_s: float = 3.0) -> dict[str, Any]:
-        """Wait until the gateway has counted every request of the run (or settle_s), then compare."""
+    def end(self, result: dict[str, Any], settle_s: float = 3.0, behind_s: float = 30.0) -> dict[str, Any]:
+        """Wait until the gateway has counted every request of the run, then compare.
+
+        Requests the gateway has not finished yet (a cancel it has not seen) get ``settle_s``. Past
+        that it waits, up to ``behind_s``, only while its ledger is behind: requests it finished but
+        has not yet counted. A ledger pass can take seconds: the first stream cut short loads the
+        model's tokenizer to count its tokens (2-3 s on a busy 2-core host), and every record
+        finished meanwhile waits behind it. A request that never reached the gateway (a connect
+        error) is never counted: the window then closes after ``settle_s``, not ``behind_s``.
+        """
         if self.before is None:
             return {"error": self.error or "no snapshot before the run"}
-        deadline = time.monotonic() + settle_s
+        t0 = time.monotonic()
         while True:
             try:
                 after = fetch(self.base_url, api_key=self.api_key)
                 gw = delta(self.before, after)
             except (httpx.HTTPError, ValueError, KeyError) as exc:
                 return {"error": f"GET /usefulwork/stats failed: {exc}"}
-            if gw["requests"] >= result["num_prompts"] or time.monotonic() >= deadline:
+            behind = uncounted(self.before, after, gw)
+            waited = time.monotonic() - t0
+            if gw["requests"] >= result["num_prompts"] or waited >= behind_s or (waited >= settle_s and not behind):
                 break
             time.sleep(0.2)
+        if behind:
+            gw["uncounted"] = behind  # finished by the gateway, not yet in its figures when the window closed
         out = {"figures": gw, "compare": compare(result, gw, self.time_scale)}
         if after.get("filters"):
             out["filters"] = after["filters"]  # e.g. admission's limit, queues and sheds at the cell's end
         return out
+
+
+def uncounted(before: dict[str, Any], after: dict[str, Any], gw: dict[str, Any]) -> int:
+    """Requests the gateway finished in the window that its figures do not count yet (its ledger's backlog)."""
+    fa, fb = (before.get("ledger") or {}).get("finished"), (after.get("ledger") or {}).get("finished")
+    if fa is None or fb is None:  # a gateway that does not say: nothing to wait for
+        return 0
+    return max(0, (fb - fa) - gw["requests"])
