@@ -28,6 +28,11 @@ async def aclient(gateway):
 def test_models_is_union_of_pools(client, vllm_server):
     ids = [m.id for m in client.models.list().data]
     assert ids == [vllm_server.model]
+    m = client.models.retrieve(vllm_server.model)
+    assert m.id == vllm_server.model and m.object == "model"
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("no-such-model")
+    assert err.value.code == "model_not_found"
 
 
 def test_chat_non_streaming_has_usage(client, vllm_server):

@@ -98,3 +98,35 @@ def test_dashboard_needs_admin_key_browsers_use_basic(secured):
     assert secured.get("/usefulwork/dashboard", headers=basic).status_code == 200
     assert secured.get("/usefulwork/stats", headers=basic).status_code == 200  # what the page's fetch sends
     assert secured.get("/usefulwork/dashboard", headers=bearer("acme-key")).status_code == 401
+
+
+def test_models_need_a_key_the_openai_endpoints_would_take(secured):
+    r = secured.get("/v1/models")
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert r.headers["www-authenticate"].startswith("Bearer")
+    assert secured.get("/v1/models/m", headers=bearer("wrong")).status_code == 401
+    for k in ("acme-key", "admin-key"):
+        assert [m["id"] for m in secured.get("/v1/models", headers=bearer(k)).json()["data"]] == ["m"]
+        assert secured.get("/v1/models/m", headers=bearer(k)).json()["owned_by"] == "usefulwork:p"
+
+
+def test_a_disabled_tenant_cannot_list_models():
+    keys = {**KEYS, "tenants": {"acme": {"key_hashes": [hash_key("acme-key")], "enabled": False}}}
+    app = build_app(from_mapping({"pools": [POOL], **keys}, environ={}))
+    with TestClient(app.app) as c:
+        r = c.get("/v1/models", headers=bearer("acme-key"))
+        assert r.status_code == 403 and r.json()["error"]["code"] == "tenant_disabled"
+
+
+def test_one_model_by_id_and_an_unknown_one_without_keys():
+    pools = [POOL, {"name": "q", "models": ["org/big-model"], "replicas": ["http://127.0.0.1:9"]}]
+    app = build_app(from_mapping({"pools": pools}, environ={}))
+    with TestClient(app.app) as c:
+        listed = c.get("/v1/models").json()["data"]
+        assert [m["id"] for m in listed] == ["m", "org/big-model"]
+        one = c.get("/v1/models/org/big-model")  # ids may hold a slash (Hugging Face names)
+        assert one.status_code == 200 and one.json() == listed[1]
+        r = c.get("/v1/models/nope")
+        assert r.status_code == 404
+        assert r.json()["error"] == {"message": "The model 'nope' does not exist", "type": "not_found_error",
+                                     "param": "model", "code": "model_not_found"}

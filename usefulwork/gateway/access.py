@@ -6,6 +6,7 @@ tenant keys or admin keys are configured:
 | path | who | what |
 |---|---|---|
 | ``/healthz`` | anyone | the process is up |
+| ``/v1/models``, ``/v1/models/{id}`` | whoever may call the OpenAI endpoints (any enabled tenant's key once tenant keys exist), and the admin | the models served |
 | ``/readyz`` | anyone | ``{"ready": bool}`` (200 / 503) only; an admin key adds per-pool detail |
 | ``/metrics`` | admin key, or the Prometheus scrape token (``access.metrics_token_hash``) | everything |
 | ``/usefulwork/stats`` | admin key: the fleet view; a tenant key: its own tenant's windows only | |
@@ -24,7 +25,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from usefulwork.gateway.errors import error_body
+from usefulwork.gateway.errors import GatewayError, error_body
 from usefulwork.gateway.tenants import Tenants, bearer
 
 if TYPE_CHECKING:
@@ -64,6 +65,18 @@ class Access:
         if key and self.tenants.tenant_of_key(key) is not None:
             return _deny(403, "/metrics needs the admin key or the metrics scrape token")
         return _deny(401, "/metrics needs the admin key or the metrics scrape token")
+
+    def models(self, request: Request) -> Response | None:
+        """None when the caller may list models: whoever may call the OpenAI endpoints, and the admin."""
+        if self.is_admin(request):
+            return None
+        try:
+            self.tenants.identify(request.headers.get("authorization", "").encode("latin-1"))
+        except GatewayError as exc:
+            return Response(exc.body(), status_code=exc.status,
+                            media_type="application/json",
+                            headers={"WWW-Authenticate": 'Bearer realm="usefulwork"'} if exc.status == 401 else None)
+        return None
 
     def dashboard(self, request: Request) -> Response | None:
         if self.is_admin(request):

@@ -135,13 +135,25 @@ def build_app(cfg: Config, client: httpx.AsyncClient | None = None) -> HotPaths:
         bundle.accountant.filter_stats["pickers"] = lambda: {name: st() for name, st in picker_stats.items()}
     started = time.time()
 
+    listed = {m: {"id": m, "object": "model", "created": int(started), "owned_by": f"usefulwork:{p.name}"}
+              for p in cfg.pools for m in p.models}
+    listed.update({m: {"id": m, "object": "model", "created": int(started), "owned_by": "usefulwork:router"}
+                   for m in sorted(services.virtual_models)})
+    model_list = orjson.dumps({"object": "list", "data": list(listed.values())})
+
     async def models(request: Request) -> Response:
-        data = [
-            {"id": m, "object": "model", "created": int(started), "owned_by": f"usefulwork:{p.name}"}
-            for p in cfg.pools for m in p.models
-        ] + [{"id": m, "object": "model", "created": int(started), "owned_by": "usefulwork:router"}
-             for m in sorted(services.virtual_models)]
-        return Response(orjson.dumps({"object": "list", "data": data}), media_type=JSON)
+        if (denied := access.models(request)) is not None:
+            return denied
+        return Response(model_list, media_type=JSON)
+
+    async def model(request: Request) -> Response:  # the SDKs' models.retrieve
+        if (denied := access.models(request)) is not None:
+            return denied
+        name = request.path_params["model"]
+        if name not in listed:
+            return Response(error_body(404, f"The model {name!r} does not exist", param="model",
+                                       code="model_not_found"), status_code=404, media_type=JSON)
+        return Response(orjson.dumps(listed[name]), media_type=JSON)
 
     async def healthz(request: Request) -> Response:
         return Response(b'{"status":"ok"}', media_type=JSON)
@@ -199,6 +211,7 @@ def build_app(cfg: Config, client: httpx.AsyncClient | None = None) -> HotPaths:
     routes = [
         *(Route(path, ep, methods=["POST"]) for path, ep in endpoints.items()),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
