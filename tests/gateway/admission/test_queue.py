@@ -918,6 +918,47 @@ def test_cold_pool_grows_its_limit_on_first_tokens_while_the_live_decode_speed_i
     assert cap.limit == limit  # an answer has ended: samples judge the limit from now on
 
 
+def test_first_tokens_before_any_live_decode_speed_grow_the_cold_limit_once_it_comes_fast():
+    """A cold start's first tokens all come before the replicas have decoded enough for a live speed:
+    those that qualify are kept and count once the speed comes (fast), never when it comes slow or
+    after an answer has ended. Without it the limit stayed at its start until the first answer ended."""
+    class R:
+        healthy, scrapes, itl_live, running, waiting, kv_usage = True, 0, None, 0, 0, 0.0
+
+    def cold(r: R) -> Capacity:
+        cap = Capacity(AdmissionCfg(initial_concurrency=8), 5.0, 0.15, 30.0, replicas=lambda: [r],
+                       replica_count=lambda: 1)
+        for i in range(8):  # the first 8 admitted at once; the last five were admitted at half the limit or more
+            cap.observe_first_token(0.2 * (i + 1), 0.0, inflight_at_admit=i)
+        return cap
+
+    r = R()
+    cap = cold(r)
+    assert cap.limit == 8 and cap.slow_start_credit == 5
+    r.scrapes = 1  # a scrape without enough decoded tokens for a figure: the credit waits
+    cap.judge_live(2.0, 8)
+    assert cap.limit == 8 and cap.slow_start_credit == 5
+    r.scrapes, r.itl_live = 2, 0.06  # under 0.8 x 112.5 ms
+    cap.judge_live(4.0, 8)
+    assert cap.limit == 13 and cap.slow_start_credit == 0
+    cap.observe_first_token(0.5, 0.0, inflight_at_admit=9)  # and from now on each fast first token at once
+    assert cap.limit == 14
+
+    r = R()
+    cap = cold(r)
+    r.scrapes, r.itl_live = 1, 0.1  # decoding near the TPOT target already: the credit is dropped
+    cap.judge_live(4.0, 8)
+    assert cap.limit == 8 and cap.slow_start_credit == 0
+
+    r = R()
+    cap = cold(r)
+    cap.observe(Sample(ttft=0.2, tpot=0.06, service=8.0, tokens=640, ok=True, inflight_at_admit=7), 3.0)
+    limit = cap.limit
+    r.scrapes, r.itl_live = 1, 0.06
+    cap.judge_live(4.0, 8)
+    assert cap.limit == limit  # an answer has ended first: the samples judge the limit, not the credit
+
+
 def _priority_queue(low_band_prefills: int, priority_scheduling: bool = True, limit: int = 40) -> PoolQueue:
     c = AdmissionCfg(initial_concurrency=limit, low_band_prefills=low_band_prefills)
     cap = Capacity(c, *SLO, replica_count=lambda: 1, priority_scheduling=priority_scheduling)

@@ -117,6 +117,7 @@ class Capacity:
         # while the pool drained, quicker than a full pool holds a slot)
         self.tpot_full: float | None = None
         self.live_tpot: float | None = None  # the slowest replica's inter-token latency now (Replica.itl_live; see judge_live)
+        self.slow_start_credit = 0.0  # slow-start growth earned by first tokens that came before any live decode speed
         self.live_tpot_mean: float | None = None  # the replicas' mean of it (what one request, on one replica, decodes at)
         self._live_seen: dict[int, int] = {}  # id(replica) -> its scrape count when last judged
         self.live_decreases = 0
@@ -300,6 +301,10 @@ class Capacity:
         self.live_tpot_mean = sum(lives) / len(lives) if lives else None
         prefills = _healthy_figures(reps, "prefill_live")
         self.live_prefill = sum(prefills) / len(prefills) if prefills else None
+        if self.slow_start_credit and live is not None:
+            credit, self.slow_start_credit = self.slow_start_credit, 0.0
+            if not self.samples and live < 0.8 * self.tpot_target and not self.saturated():
+                self._grow(credit, self.count(reps))  # the slow start's growth, now that the decode speed is known
         # (no verdict before a round trip was measured: the cold limit is initial_concurrency, and the
         # once-per-service-time rule needs a service time; without it every scrape cut the limit to 1)
         if live is None or live <= self.tpot_target or self.service is None:
@@ -353,12 +358,22 @@ class Capacity:
         tokens at that speed, is within its target too) and they are not saturated: by one, as a fast
         sample would. A cold pool otherwise held ``initial_concurrency`` until its first answer: on the
         CPU vLLM 8 in flight and a first answer at 10.9 s shed 8 of a steady cell's 37 requests that
-        admission off served within the SLO."""
-        if self.samples or self.live_tpot is None or self.live_tpot >= 0.8 * self.tpot_target \
-                or ttft >= 0.8 * self.ttft_target or self.saturated():
+        admission off served within the SLO.
+
+        The first tokens of the first requests come before the replicas have decoded enough for a live
+        speed (``judge_live``: a few scrape intervals). Those that qualify otherwise are kept as credit
+        and grown by once the live speed comes and is fast, before the first answer ends. (Judged only
+        when the live speed was already known, the first 8 requests' first tokens, all within 1.5 s of a
+        cold start, never counted, and no request was admitted after them until an answer ended: on an
+        AMX host's CPU vLLM 8 of the 16 requests in a cell's first 10 s were shed, told 37-50 s.)"""
+        if self.samples or ttft >= 0.8 * self.ttft_target or self.saturated():
             return
         n = self.count()
-        if inflight_at_admit / n + 1 >= 0.5 * self.limit:
+        if inflight_at_admit / n + 1 < 0.5 * self.limit:
+            return
+        if self.live_tpot is None:
+            self.slow_start_credit += 1.0 / n
+        elif self.live_tpot < 0.8 * self.tpot_target:
             self._grow(1.0 / n, n)
 
     def _cut_to(self, base: float, overshoot: float, n: int) -> float:
