@@ -99,7 +99,7 @@ class StatsWindow:
         Requests the gateway has not finished yet (a cancel it has not seen) get ``settle_s``. Past
         that it waits, up to ``behind_s``, only while its ledger is behind: requests it finished but
         has not yet counted. A ledger pass can take seconds: the first stream cut short loads the
-        model's tokenizer to count its tokens (2-3 s on a busy 2-core host), and every record
+        model's tokenizer to count its tokens (1-3 s on a busy 2-core host), and every record
         finished meanwhile waits behind it. A request that never reached the gateway (a connect
         error) is never counted: the window then closes after ``settle_s``, not ``behind_s``.
         """
