@@ -34,9 +34,10 @@ if TYPE_CHECKING:
 FLEET = "fleet"  # the stats scope of an admin (or of anyone when no auth is configured)
 
 
-def _deny(status: int, message: str, basic: bool = False) -> Response:
+def _deny(status: int, message: str, basic: bool = False, code: str | None = None) -> Response:
     headers = {"WWW-Authenticate": 'Basic realm="usefulwork"' if basic else 'Bearer realm="usefulwork"'}
-    return Response(error_body(status, message, code="invalid_api_key" if status == 401 else "forbidden"),
+    code = code or ("invalid_api_key" if status == 401 else "forbidden")
+    return Response(error_body(status, message, code=code),
                     status_code=status, media_type="application/json",
                     headers=headers if status == 401 else None)
 
@@ -72,10 +73,8 @@ class Access:
             return None
         try:
             self.tenants.identify(request.headers.get("authorization", "").encode("latin-1"))
-        except GatewayError as exc:
-            return Response(exc.body(), status_code=exc.status,
-                            media_type="application/json",
-                            headers={"WWW-Authenticate": 'Bearer realm="usefulwork"'} if exc.status == 401 else None)
+        except GatewayError as exc:  # the OpenAI endpoints' refusal (401 invalid_api_key, 403 tenant_disabled)
+            return _deny(exc.status, exc.message, code=exc.code)
         return None
 
     def dashboard(self, request: Request) -> Response | None:
