@@ -16,6 +16,7 @@ that met the SLO (10-13 req/s).
     python benchmarks/admission_virtual.py --rule tail:0.75 --rule tail:0.9 --rule mean:0.7
     python benchmarks/admission_virtual.py --classes --seeds 1-6    # the priority and fairness cells
     python benchmarks/admission_virtual.py --retry --seeds 1-6      # the burst-retry cell
+    python benchmarks/admission_virtual.py --restart --seeds 1-6    # the same clients against a restarted gateway
 
 ``--classes`` runs the experiment's priority cell (24 req/s, one interactive request for three batch ones)
 and fairness cell (four equal-weight tenants, one sending 30x) on the same clock
@@ -29,6 +30,13 @@ arrivals alone.
 2 req/s, then the burst's first period (25 req/s for 9 s, 2 req/s after) from another tenant's clients,
 which wait out Retry-After and retry up to 3 times: the share of first retries admitted (target >= 80%),
 and the SLO attainment of the answers served, each attempt timed from its own send.
+
+``--restart`` sends the burst-retry clients' burst to a gateway started (cold) at that moment beside a
+fleet kept full by 40 s at 13 req/s through the old gateway, which drains (its queued requests get
+their 429, its admitted ones finish): a rolling update, a restarted worker. Until the new gateway has
+timed a request of its own it prices a slot at the replica's own request time (vLLM's e2e histogram);
+each cell also runs with that figure hidden (a slot priced at the E2E SLO, the rule before), at the
+experiment's SLO (E2E 5 s) and at an E2E SLO of 30 s (the real CPU vLLM experiment's), per seed.
 
 ``mean:F`` judges the limit on the running means under F x SLO (the rule before 2026-11-22);
 ``tail:F`` on the p95 of the recent window under F x SLO (the shipped rule; F = target_fraction).
@@ -188,6 +196,128 @@ def retries(seeds: list[int]) -> dict[str, Any]:
     return data
 
 
+RESTART_AT_S = 40.0  # the new gateway starts (and the retrying clients' burst with it)
+
+
+@dataclass(frozen=True)
+class RestartCell(autoscale.Day):
+    def rate_at(self, t: float) -> float:
+        if t < RESTART_AT_S:
+            return 13.0  # the capacity-13 cell's load: the fleet is full when the new gateway starts
+        return self.peak_rate if t - RESTART_AT_S < 9.0 else self.base_rate
+
+
+class _NoServerFigure:
+    """A replica view without the server's own request time (``e2e_live``): the cold hold before it."""
+
+    def __init__(self, view: Any):
+        self._view = view
+
+    def __getattr__(self, name: str) -> Any:
+        return None if name == "e2e_live" else getattr(self._view, name)
+
+
+class RestartSim(autoscale.Simulation):
+    """The what-if's one-replica fleet, whose gateway is replaced at ``RESTART_AT_S`` by a cold one (a rolling
+    update, a restarted worker): the old gateway drains (its queued requests get their 429 and Retry-After,
+    its admitted ones finish and release its slots), the new one takes every request from then on and has
+    timed none of its own. ``server_figure``: the new gateway reads the replica's own request time."""
+
+    def __init__(self, *args: Any, server_figure: bool = True, restart: bool = True, **kw: Any):
+        super().__init__(*args, **kw)
+        self.server_figure = server_figure
+        self.restarted = not restart  # (False: the same gateway serves on, warm: the reference)
+        self.told: list[tuple[float, float]] = []  # (when, Retry-After) told by the new gateway in its first 10 s
+
+    def _restart(self) -> None:
+        old = self.queue
+        cfg, slo = AdmissionCfg(), self.slo
+        wrap = (lambda v: v) if self.server_figure else _NoServerFigure
+        cap = capacity_mod.Capacity(cfg, slo.ttft_ms / 1e3, slo.tpot_ms / 1e3, slo.e2e_ms / 1e3,
+                                    replicas=lambda: [wrap(r.scraped) for r in self._serving()],
+                                    replica_count=lambda: len(self._serving()))
+        self.queue = autoscale.PoolQueue("llama-8b", cap, reserve_fraction=cfg.reserve_fraction, max_queue=cfg.max_queue,
+                                         e2e_slo_s=slo.e2e_ms / 1e3, return_prior=cfg.retry_return_prior)
+        self.restarted = True
+        for t in [t for qs in old.queues for q in qs.values() for t in q]:
+            old._drop(t, "draining", self.now)
+            self._shed(t.waiter, t.retry_after_s)
+
+    def _send(self, req: Any) -> None:
+        if not self.restarted and self.now >= RESTART_AT_S:
+            self._restart()
+        super()._send(req)
+        req.queue = self.queue
+
+    def _shed(self, req: Any, retry_after_s: float) -> None:
+        if RESTART_AT_S <= self.now < RESTART_AT_S + 10.0 and getattr(req, "queue", None) is self.queue:
+            self.told.append((self.now, retry_after_s))
+        super()._shed(req, retry_after_s)
+
+    def _own(self, req: Any, fn: Any) -> None:
+        """Run ``fn`` with the queue that admitted ``req`` (an old gateway's answers release its slots)."""
+        mine, self.queue = self.queue, getattr(req, "queue", None) or self.queue
+        try:
+            fn()
+        finally:
+            self.queue = mine
+
+    def _finish_attempt(self, req: Any, ok: bool) -> None:
+        self._own(req, lambda: autoscale.Simulation._finish_attempt(self, req, ok))
+
+    def _first_token(self, sim: Any) -> None:
+        req = self.by_sim.get(id(sim))
+        if req is not None:
+            self._own(req, lambda: autoscale.Simulation._first_token(self, sim))
+
+
+RESTART_SLOS = {"experiment": autoscale.SLO,  # TTFT 2 s, TPOT 100 ms, E2E 5 s
+                "e2e-30s": autoscale.SLOSpec(ttft_ms=2000.0, tpot_ms=100.0, e2e_ms=30000.0, attainment=0.95)}
+
+
+def restart_cell(seed: int, slo: Any, server_figure: bool, restart: bool = True) -> dict[str, Any]:
+    day = RestartCell(day_s=RESTART_AT_S + 45.0, base_rate=2.0, peak_rate=25.0, burstiness=1.0, seed=seed)
+    sim = RestartSim(autoscale.Policy("one", "one replica", fixed=1, admission=True), day, autoscale.Fleet(),
+                     autoscale.Client(max_retries=3), slo, server_figure=server_figure, restart=restart)
+    sim.clients = lambda t0: ("default", 0) if t0 < RESTART_AT_S else ("retrying", None)
+    sim.run()
+    reqs = [r for r in sim.requests if r.t0 >= RESTART_AT_S]
+    retried = [r for r in reqs if r.first_retry]
+    served = [r for r in reqs if r.outcome == "ok"]
+    told = sorted(x for _, x in sim.told)
+    ok = sum(1 for r in served if r.ttft - (r.sent - r.t0) <= slo.ttft_ms / 1e3 and r.e2e - (r.sent - r.t0) <= slo.e2e_ms / 1e3)
+    return {"sent": len(reqs), "served": len(served), "shed": sum(1 for r in reqs if r.outcome == "shed"),
+            "timeouts": sum(1 for r in reqs if r.outcome == "timeout"), "first_retries": len(retried),
+            "admitted_on_first_retry": sum(1 for r in retried if r.first_retry == "admitted"),
+            "attainment_served": ok / len(served) if served else None,
+            "mean_e2e_from_first_send_s": sum(r.e2e for r in served) / len(served) if served else None,
+            "told": len(told), "told_median_s": told[len(told) // 2] if told else None,
+            "told_max_s": told[-1] if told else None}
+
+
+def restarts(seeds: list[int]) -> dict[str, Any]:
+    data: dict[str, Any] = {}
+    print("| SLO | cold hold | seed | sent | served | shed | timeouts | first retry admitted | attainment of served "
+          "(per attempt) | mean E2E from first send (s) | Retry-After told in the first 10 s: n / median / max (s) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for slo_name, slo in RESTART_SLOS.items():
+        for variant, figure, restart in (("no restart (warm)", True, False), ("E2E SLO", False, True),
+                                         ("replicas' figure", True, True)):
+            rows = data.setdefault(slo_name, {}).setdefault(variant, {})
+            for seed in seeds:
+                r = rows[seed] = restart_cell(seed, slo, figure, restart)
+                att = "-" if r["attainment_served"] is None else f"{r['attainment_served']:.1%}"
+                e2e = "-" if r["mean_e2e_from_first_send_s"] is None else f"{r['mean_e2e_from_first_send_s']:.2f}"
+                told = "-" if not r["told"] else f"{r['told']} / {r['told_median_s']:.2f} / {r['told_max_s']:.2f}"
+                print(f"| {slo_name} | {variant} | {seed} | {r['sent']} | {r['served']} | {r['shed']} | {r['timeouts']} | "
+                      f"{r['admitted_on_first_retry']} of {r['first_retries']} | {att} | {e2e} | {told} |")
+            n = sum(r["first_retries"] for r in rows.values())
+            a = sum(r["admitted_on_first_retry"] for r in rows.values())
+            print(f"{slo_name}, {variant}: {a} of {n} first retries admitted ({a / max(1, n):.1%}), "
+                  f"served {sum(r['served'] for r in rows.values())} of {sum(r['sent'] for r in rows.values())}")
+    return data
+
+
 def _parts(x: dict[str, float] | None) -> str:
     if not x:
         return "-"
@@ -201,8 +331,15 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=None, help="write the figures here")
     ap.add_argument("--classes", action="store_true", help="the priority and fairness cells instead of bursts and steady load")
     ap.add_argument("--retry", action="store_true", help="the burst-retry cell instead of bursts and steady load")
+    ap.add_argument("--restart", action="store_true",
+                    help="the burst-retry clients against a gateway restarted beside a full fleet (cold hold: SLO vs replicas' figure)")
     ap.add_argument("--seeds", default="1-6", help="with --classes or --retry: seeds, e.g. 1-6")
     args = ap.parse_args()
+    if args.restart:
+        data = restarts(_seeds(args.seeds))
+        if args.json:
+            args.json.write_text(json.dumps(data, indent=1))
+        return 0
     if args.retry:
         data = retries(_seeds(args.seeds))
         if args.json:

@@ -8,6 +8,7 @@ import pytest
 
 from tests.conftest import VLLMServer
 from usefulwork.backends.local import cpu_lacks_bf16
+from usefulwork.upstream.fleet import SCRAPED, parse_metrics
 
 pytestmark = pytest.mark.vllm
 
@@ -187,6 +188,7 @@ def test_metrics_names_and_movement(server, request):
     prompt0 = server.metric("vllm:prompt_tokens_total")
     q0 = server.metric("vllm:prefix_cache_queries_total")
     ttft0 = server.metric("vllm:time_to_first_token_seconds_count")
+    before = parse_metrics(text)
     chat(server, max_tokens=5, extra_body={"ignore_eos": True})
     assert server.metric("vllm:generation_tokens_total") - gen0 == 5
     assert server.metric("vllm:prompt_tokens_total") - prompt0 == 33
@@ -194,3 +196,11 @@ def test_metrics_names_and_movement(server, request):
     assert server.metric("vllm:time_to_first_token_seconds_count") - ttft0 == 1
     assert server.metric("vllm:num_requests_running") == 0
     assert 0.0 <= server.metric("vllm:kv_cache_usage_perc") <= 1.0
+    # The figures the gateway's fleet reads (admission's live decode speed, prefill and request time) move
+    # by this one request: its 5 tokens' 4 gaps, one prefill, one ended request.
+    after = parse_metrics(httpx.get(f"{server.base_url}/metrics", timeout=5).text)
+    assert set(SCRAPED.values()) <= after.keys(), sorted(after)
+    assert after["itl_count"] - before["itl_count"] == 4 and after["itl_sum"] > before["itl_sum"]
+    assert after["prefill_count"] - before["prefill_count"] == 1 and after["prefill_sum"] > before["prefill_sum"]
+    assert after["e2e_count"] - before["e2e_count"] == 1
+    assert after["e2e_sum"] - before["e2e_sum"] >= after["prefill_sum"] - before["prefill_sum"]

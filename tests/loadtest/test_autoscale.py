@@ -137,3 +137,19 @@ def test_clients_set_each_requests_tenant_and_retries_and_the_first_retry_is_rec
     assert all(q.first_retry == "" for q in back if q.attempts == 1)
     assert {q.first_retry for q in retried} == {"admitted", "shed"}  # (this much overload sheds some again)
     assert sim.queue.return_rate("back") > 0.5 > sim.queue.return_rate("gone")
+
+
+def test_a_gateway_restarted_beside_a_full_replica_prices_its_slots_at_the_replicas_request_time():
+    """benchmarks/admission_virtual.py --restart: a gateway replaced by a cold one while the replica is full
+    and a burst of retrying clients arrives. The cold gateway has timed no request of its own; the replica
+    reports how long its requests take now (vllm:e2e_request_latency_seconds, read through the gateway's own
+    Replica record). Priced at the 30 s E2E SLO instead, shed clients were told to come back in 45 s."""
+    from benchmarks import admission_virtual as av
+
+    slo = av.RESTART_SLOS["e2e-30s"]
+    seen = av.restart_cell(1, slo, server_figure=True)
+    blind = av.restart_cell(1, slo, server_figure=False)
+    assert blind["told"] and blind["told_max_s"] > 30.0  # slots priced at the SLO
+    assert seen["told"] and seen["told_max_s"] < 10.0  # at what the replica's requests take (~4 s)
+    assert seen["served"] >= 0.95 * seen["sent"] and seen["timeouts"] == 0
+    assert seen["mean_e2e_from_first_send_s"] < 0.7 * blind["mean_e2e_from_first_send_s"]

@@ -15,13 +15,16 @@ vllm:inter_token_latency_seconds_sum{engine="0",model_name="m"} 12.5
 vllm:inter_token_latency_seconds_count{engine="0",model_name="m"} 250.0
 vllm:request_prefill_time_seconds_sum{engine="0",model_name="m"} 3.5
 vllm:request_prefill_time_seconds_count{engine="0",model_name="m"} 50.0
+vllm:e2e_request_latency_seconds_sum{engine="0",model_name="m"} 210.0
+vllm:e2e_request_latency_seconds_count{engine="0",model_name="m"} 48.0
 """
 
 
 def test_parse_metrics_reads_vllm_v1_names():
     m = parse_metrics(METRICS)
     assert m == {"running": 3.0, "waiting": 2.0, "kv_usage": 0.25, "prefix_queries": 100.0, "prefix_hits": 40.0,
-                 "itl_sum": 12.5, "itl_count": 250.0, "prefill_sum": 3.5, "prefill_count": 50.0}
+                 "itl_sum": 12.5, "itl_count": 250.0, "prefill_sum": 3.5, "prefill_count": 50.0,
+                 "e2e_sum": 210.0, "e2e_count": 48.0}
 
 
 def test_live_inter_token_latency_is_the_mean_over_the_last_scrape_intervals():
@@ -54,6 +57,21 @@ def test_live_prefill_time_is_the_mean_over_the_last_scrape_intervals():
     assert abs(r.prefill_live - (0.08 + 3 * 0.12) / 4) < 1e-9  # per prefill, over the intervals
     r.take_metrics({"prefill_sum": 0.1, "prefill_count": 1.0})
     assert r.prefill_live is None  # the server restarted
+
+
+def test_live_request_time_is_the_mean_over_the_last_scrape_intervals():
+    r = _fleet().pools["p"].replicas[0]
+    r.take_metrics({"e2e_sum": 210.0, "e2e_count": 48.0})
+    assert r.e2e_live is None  # a first read has no interval
+    r.take_metrics({"e2e_sum": 210.0 + 9.5, "e2e_count": 49.0})
+    assert r.e2e_live is None  # one request ended: too few for a figure
+    r.take_metrics({"e2e_sum": 210.0 + 9.5 + 2 * 10.25, "e2e_count": 51.0})
+    assert abs(r.e2e_live - 10.0) < 1e-9  # per ended request, over the intervals, whoever sent it
+    for _ in range(3):
+        r.take_metrics({"e2e_sum": 240.0, "e2e_count": 51.0})
+    assert r.e2e_live is None  # nothing ended in the window: no figure (not the old one)
+    r.take_metrics({"e2e_sum": 3.0, "e2e_count": 1.0})
+    assert r.e2e_live is None  # the server restarted
 
 
 def _fleet():

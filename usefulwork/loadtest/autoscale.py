@@ -170,7 +170,8 @@ class Replica:
     inflight: int = 0
     # What the gateway last scraped (every timeouts.health_interval_s): the gateway's own replica record,
     # fed the same metrics, so admission.Capacity reads the same fields it reads in the gateway, the
-    # live decode speed (``itl_live``, from vLLM's inter-token latency histogram) computed the same way.
+    # live decode speed (``itl_live``, from vLLM's inter-token latency histogram) and request time
+    # (``e2e_live``) computed the same way.
     scraped: ReplicaView = field(init=False)
 
     def __post_init__(self) -> None:
@@ -179,10 +180,11 @@ class Replica:
                                    block_size=float(spec.block_size))
 
     def scrape(self) -> None:
-        itl = self.engine.stats.itl
+        itl, e2e = self.engine.stats.itl, self.engine.stats.e2e
         self.scraped.take_metrics({"waiting": float(len(self.engine.scheduler.waiting)),
                                    "running": float(self.engine.num_running), "kv_usage": self.engine.kv.usage,
-                                   "itl_sum": itl.total, "itl_count": float(itl.n)})
+                                   "itl_sum": itl.total, "itl_count": float(itl.n),
+                                   "e2e_sum": e2e.total, "e2e_count": float(e2e.n)})
 
     def serving(self, now: float) -> bool:
         return self.removed_at is None and self.ready_at <= now

@@ -43,12 +43,16 @@ SCRAPED = {
     # cumulative, observed per request when its first token comes (``Replica.prefill_live``)
     "vllm:request_prefill_time_seconds_sum": "prefill_sum",
     "vllm:request_prefill_time_seconds_count": "prefill_count",
+    # cumulative, observed per request when it ends (``Replica.e2e_live``)
+    "vllm:e2e_request_latency_seconds_sum": "e2e_sum",
+    "vllm:e2e_request_latency_seconds_count": "e2e_count",
 }
 
 
-ITL_WINDOW = 3  # scrape intervals in Replica.itl_live (and prefill_live)
+ITL_WINDOW = 3  # scrape intervals in Replica.itl_live (and prefill_live, e2e_live)
 ITL_MIN_TOKENS = 32  # decoded tokens in that window for a figure
 PREFILL_MIN = 2  # prefills in that window for a figure
+E2E_MIN = 2  # ended requests in that window for a figure
 
 
 @dataclass(slots=True, eq=False)
@@ -81,6 +85,13 @@ class Replica:
     # deems a unary request's prefill place takes (no first token is seen on a unary answer). None: too few.
     prefill_live: float | None = None
     prefill_window: deque = field(default_factory=lambda: deque(maxlen=ITL_WINDOW))
+    e2e_sum: float = 0.0  # vllm:e2e_request_latency_seconds (sum, count): cumulative, per ended request
+    e2e_count: float = 0.0
+    # One request's time in the server (arrival -> end, its queue inside vLLM included) over the last ITL_WINDOW
+    # scrape intervals, whoever sent it: what a cold gateway deems a slot is held before it has timed one of
+    # its own (``Capacity.slot_hold``). None: too few ended.
+    e2e_live: float | None = None
+    e2e_window: deque = field(default_factory=lambda: deque(maxlen=ITL_WINDOW))
     scrapes: int = 0  # /metrics reads so far (a reader judges each one once)
     last_scrape: float = 0.0
     http: UpstreamPool | None = None  # the data-path connection pool (set by Fleet)
@@ -90,6 +101,7 @@ class Replica:
     def take_metrics(self, values: dict[str, float]) -> None:
         """Apply one /metrics read (``parse_metrics``): gauges as read, the histograms as deltas."""
         itl0, prefill0 = (self.itl_sum, self.itl_count), (self.prefill_sum, self.prefill_count)
+        e2e0 = (self.e2e_sum, self.e2e_count)
         for attr, value in values.items():
             setattr(self, attr, value)
         # Over a few intervals, not one: one token's gap spans any prefill that ran in its step (0.7 s for a
@@ -97,6 +109,7 @@ class Replica:
         self.itl_live = self._windowed(self.itl_window, itl0, (self.itl_sum, self.itl_count), ITL_MIN_TOKENS)
         self.prefill_live = self._windowed(self.prefill_window, prefill0, (self.prefill_sum, self.prefill_count),
                                            PREFILL_MIN)
+        self.e2e_live = self._windowed(self.e2e_window, e2e0, (self.e2e_sum, self.e2e_count), E2E_MIN)
         self.scrapes += 1
         self.last_scrape = time.time()
 

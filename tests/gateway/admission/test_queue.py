@@ -9,7 +9,7 @@ import pytest
 
 from usefulwork.gateway.admission.capacity import Capacity, Sample
 from usefulwork.gateway.admission.config import AdmissionCfg
-from usefulwork.gateway.admission.queue import PoolQueue, Ticket, retry_after_header
+from usefulwork.gateway.admission.queue import Decision, PoolQueue, Ticket, retry_after_header
 
 SLO = (2.0, 0.1, 5.0)  # ttft, tpot, e2e (s)
 
@@ -606,6 +606,42 @@ def test_cold_pool_assumes_a_slot_is_held_for_the_whole_e2e_slo():
         q.offer(ticket(0.0), 0.0)
     d = q.offer(ticket(0.0), 0.0)  # (0 + 1 + 1) / 0.4 = 5 s > 2 s: told at once, not at the deadline
     assert (d.kind, d.reason) == ("shed", "predicted_wait")
+
+
+def test_cold_pool_prices_a_slot_at_the_replicas_own_request_time_until_it_has_timed_one():
+    """A gateway started beside a busy fleet (a restart, a new worker) has timed no request yet; the replicas
+    report how long theirs take now (vLLM's e2e histogram, whoever sent them). A slot is priced at that,
+    not at the whole E2E SLO, and the gateway's own answers take over from the first one."""
+    class R:
+        healthy, scrapes, itl_live, e2e_live, running, waiting, kv_usage = True, 0, None, None, 8.0, 0.0, 0.0
+
+    def cold(r: R) -> PoolQueue:
+        cap = Capacity(AdmissionCfg(initial_concurrency=8), 5.0, 0.15, 30.0, replicas=lambda: [r],
+                       replica_count=lambda: 1)
+        return PoolQueue("p", cap, e2e_slo_s=30.0)
+
+    def shed_after_eight(q: PoolQueue) -> Decision:
+        for i in range(8):
+            assert q.offer(Ticket("a", 0, 640.0, 0.0, 5.0, max_tokens=128, key=i + 1), 0.0).kind == "admit"
+        d = q.offer(Ticket("a", 0, 640.0, 0.0, 5.0, max_tokens=128, key=99), 0.0)
+        assert (d.kind, d.reason) == ("shed", "predicted_wait")
+        return d
+
+    r = R()
+    q = cold(r)
+    assert q.capacity.slot_hold() == 30.0 and q.capacity.drain_rate() == pytest.approx(8 / 30.0)
+    assert shed_after_eight(q).retry_after_s > 30.0  # no figure at all: the SLO, as before
+
+    r = R()
+    r.scrapes, r.e2e_live = 1, 8.0  # the fleet's requests take 8 s now
+    q = cold(r)
+    q.capacity.judge_live(0.0, 0)
+    cap = q.capacity
+    assert cap.live_service == 8.0 and cap.slot_hold() == 8.0 and cap.drain_rate() == pytest.approx(8 / 8.0)
+    d = shed_after_eight(q)
+    assert 8.0 - 0.75 * 5.0 < d.retry_after_s < 12.0  # the first slot frees at 8 s: not 37-50 s
+    cap.observe(Sample(ttft=0.5, tpot=0.05, service=6.0, tokens=640, ok=True, inflight_at_admit=7), 6.0)
+    assert cap.slot_hold() == 6.0  # its own first answer takes over (no deviation yet)
 
 
 def test_retry_after_headers():

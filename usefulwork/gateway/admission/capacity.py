@@ -133,6 +133,7 @@ class Capacity:
         self.batch_decreases = 0
         self.prefill_each: float | None = None  # EWMA of TTFT / (prefills pending ahead + 1) (s)
         self.live_prefill: float | None = None  # the replicas' mean of vLLM's own prefill time now (``prefill_time``)
+        self.live_service: float | None = None  # the replicas' mean of vLLM's own request time now (``slot_hold`` when cold)
         self.prefill_limit: float | None = None  # per replica (None: not learnt yet, no gate)
         self.prefill_samples = 0
         self.prefill_decreases = 0
@@ -236,15 +237,23 @@ class Capacity:
         measured (Little's law holds at the limit only: the overall mean, with the quick answers of quiet
         times in it, promised the real CPU vLLM's burst 0.96 slots a second where 0.6 came, and the
         Retry-After of shed requests brought them back into a pool still full). Before the first
-        measurement, a slot is assumed held for the whole E2E SLO (cautious: a cold gateway sheds early
-        rather than late)."""
-        service = max(self.service or 0.0, self.service_full or 0.0) or self.slo_e2e_s
+        measurement, the cold hold (``slot_hold``)."""
+        service = max(self.service or 0.0, self.service_full or 0.0) or self.slot_hold()
         return self.current() / service if service else None
 
     def slot_hold(self) -> float:
         """How long a slot taken now is held (with the margin): the full pool's service time where
-        measured (slots are waited for only when the pool is full), else the overall one."""
-        return max(self.service or 0.0, self.service_full or 0.0) + 2.0 * self.service_dev
+        measured (slots are waited for only when the pool is full), else the overall one.
+
+        Before this gateway has timed a request of its own (a cold start, a new worker, a restart beside
+        a busy fleet), the replicas' own mean request time over the last scrapes (vLLM's
+        ``e2e_request_latency_seconds``, ``Replica.e2e_live``: every client's requests, their wait inside
+        vLLM included), else the whole E2E SLO (cautious: a cold gateway sheds early rather than late).
+        With the SLO alone, a gateway started into a busy fleet priced every slot at the SLO: on the real
+        CPU vLLM (E2E SLO 30 s, slots held ~10 s) it told shed clients to come back in 37-50 s."""
+        if self.service is None:
+            return self.live_service or self.slo_e2e_s or 0.0
+        return max(self.service, self.service_full or 0.0) + 2.0 * self.service_dev
 
     def est_ttft(self) -> float:
         """Service TTFT that a request should budget for: the mean plus two mean deviations."""
@@ -301,6 +310,8 @@ class Capacity:
         self.live_tpot_mean = sum(lives) / len(lives) if lives else None
         prefills = _healthy_figures(reps, "prefill_live")
         self.live_prefill = sum(prefills) / len(prefills) if prefills else None
+        ends = _healthy_figures(reps, "e2e_live")
+        self.live_service = sum(ends) / len(ends) if ends else None
         if self.slow_start_credit and live is not None:
             credit, self.slow_start_credit = self.slow_start_credit, 0.0
             if not self.samples and live < 0.8 * self.tpot_target and not self.saturated():
@@ -521,12 +532,12 @@ class Capacity:
                 "drain_per_s": self.drain_rate(), "kv_cap": self.kv_cap(), "saturated": self.saturated(),
                 "samples": self.samples, "decreases": self.decreases, "fill_decreases": self.batch_decreases,
                 "prefill_limit": self.prefill_places(), "prefill_per_replica": None if self.prefill_limit is None else round(self.prefill_limit, 2),
-                "prefill_each_s": self.prefill_each, "live_prefill_s": self.live_prefill,
+                "prefill_each_s": self.prefill_each, "live_prefill_s": self.live_prefill, "live_service_s": self.live_service,
                 "prefill_decreases": self.prefill_decreases}
 
 
 def _healthy_figures(reps: list, attr: str) -> list[float]:
-    """The healthy replicas' live figure ``attr`` (``Replica.itl_live``, ``prefill_live``), where they have one."""
+    """The healthy replicas' live figure ``attr`` (``Replica.itl_live``, ``prefill_live``, ``e2e_live``), where they have one."""
     return [v for r in reps if getattr(r, "healthy", True) and (v := getattr(r, attr, None)) is not None]
 
 

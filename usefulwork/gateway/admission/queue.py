@@ -326,7 +326,7 @@ class PoolQueue:
         queue of promised retries cost a whole slot hold per place when few ran: the real CPU vLLM,
         limit 2 with one running while the prefill gate held the other, told 35 s more per shed.)"""
         cap = self.capacity
-        service = cap.slot_hold() if cap.service else (cap.slo_e2e_s or 0.0)
+        service = cap.slot_hold()
         starts = sorted(x.admitted_at for x in self.running)  # then the ``free`` slots, taken now
         rounds, i = divmod(position - 1, len(starts) + free)
         start = starts[i] if i < len(starts) else now
