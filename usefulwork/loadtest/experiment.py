@@ -301,6 +301,13 @@ def _backend_process(exp: Experiment, profile: Profile, port: int, log_path: Pat
     from usefulwork.backends.sim.process import SimProcess
 
     extra = dict(profile.sim_overrides)
+    if "tokenizer" not in extra and os.environ.get("USEFULWORK_SIM_TOKENIZER", "") != "approx":
+        from usefulwork.backends.model import ensure_model
+
+        # The simulator counts prompt tokens with the converted SmolLM2 tokenizer, the one the workloads size
+        # their prompts with; without the folder it counts ~4 bytes a token, and the admission experiment's
+        # 512-token prompts became 808 tokens (its capacity cells then missed the SLO at 10 req/s).
+        ensure_model()
     if kv_port is not None:
         extra["kv_events_config"] = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
                                                 "endpoint": f"tcp://*:{kv_port}"})
