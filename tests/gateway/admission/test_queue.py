@@ -954,6 +954,34 @@ def test_cold_pool_grows_its_limit_on_first_tokens_while_the_live_decode_speed_i
     assert cap.limit == limit  # an answer has ended: samples judge the limit from now on
 
 
+def test_the_slow_start_needs_a_decode_speed_that_ends_the_answer_within_the_e2e_target():
+    """Under an SLO whose E2E is the tighter bound (TTFT 2 s, TPOT 100 ms, E2E 5 s, 128 tokens), a decode
+    well under the TPOT target can still end the answer late: 30 ms x 127 tokens is 3.8 s, over 80% of
+    the 3.75 s E2E target. Such a first token does not grow a cold limit; a short answer's does."""
+    class R:
+        healthy, scrapes, itl_live, running, waiting, kv_usage = True, 0, None, 0, 0, 0.0
+
+    r = R()
+    cap = Capacity(AdmissionCfg(initial_concurrency=8), 2.0, 0.1, 5.0, replicas=lambda: [r], replica_count=lambda: 1)
+    cap.live_tpot = 0.03  # under 0.8 x 75 ms
+    for i in range(4):
+        cap.observe_first_token(0.3, 0.0, inflight_at_admit=7 + i, max_tokens=128)
+    assert cap.limit == 8  # (3.0 - 0.3) / 127 = 21 ms needed
+    for i in range(4):
+        cap.observe_first_token(0.3, 0.0, inflight_at_admit=7 + i, max_tokens=32)
+    assert cap.limit == 12  # (3.0 - 0.3) / 31 = 87 ms: the TPOT bound (60 ms) binds, and 30 ms is under it
+    cap.observe_first_token(0.3, 0.0, inflight_at_admit=12)
+    assert cap.limit == 13  # no max_tokens: the TPOT bound alone
+
+    cap = Capacity(AdmissionCfg(initial_concurrency=8), 2.0, 0.1, 5.0, replicas=lambda: [r], replica_count=lambda: 1)
+    for i in range(6):  # before any live decode speed: credit, with the tightest request's bound
+        cap.observe_first_token(0.3, 0.0, inflight_at_admit=2 + i, max_tokens=128)
+    assert cap.slow_start_credit == 5  # admitted with 3 or more in flight: at least half the limit, counting itself
+    r.scrapes, r.itl_live = 1, 0.03
+    cap.judge_live(2.0, 8)
+    assert cap.limit == 8 and cap.slow_start_credit == 0  # 30 ms would end those answers late: dropped
+
+
 def test_first_tokens_before_any_live_decode_speed_grow_the_cold_limit_once_it_comes_fast():
     """A cold start's first tokens all come before the replicas have decoded enough for a live speed:
     those that qualify are kept and count once the speed comes (fast), never when it comes slow or

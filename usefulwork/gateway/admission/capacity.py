@@ -118,6 +118,7 @@ class Capacity:
         self.tpot_full: float | None = None
         self.live_tpot: float | None = None  # the slowest replica's inter-token latency now (Replica.itl_live; see judge_live)
         self.slow_start_credit = 0.0  # slow-start growth earned by first tokens that came before any live decode speed
+        self.slow_start_decode = math.inf  # the decode speed that credit needs (the tightest of its requests')
         self.live_tpot_mean: float | None = None  # the replicas' mean of it (what one request, on one replica, decodes at)
         self._live_seen: dict[int, int] = {}  # id(replica) -> its scrape count when last judged
         self.live_decreases = 0
@@ -314,7 +315,8 @@ class Capacity:
         self.live_service = sum(ends) / len(ends) if ends else None
         if self.slow_start_credit and live is not None:
             credit, self.slow_start_credit = self.slow_start_credit, 0.0
-            if not self.samples and live < 0.8 * self.tpot_target and not self.saturated():
+            bound, self.slow_start_decode = self.slow_start_decode, math.inf
+            if not self.samples and live < bound and not self.saturated():
                 self._grow(credit, self.count(reps))  # the slow start's growth, now that the decode speed is known
         # (no verdict before a round trip was measured: the cold limit is initial_concurrency, and the
         # once-per-service-time rule needs a service time; without it every scrape cut the limit to 1)
@@ -341,11 +343,12 @@ class Capacity:
     def _live_why(self, live: float, inflight: int) -> str:
         return f"live decode {live * 1e3:.0f} ms a token over the {self.tpot_target * 1e3:.0f} ms target, {inflight} in flight"
 
-    def observe_first_token(self, ttft: float, ahead: float, inflight_at_admit: int = 0) -> None:
+    def observe_first_token(self, ttft: float, ahead: float, inflight_at_admit: int = 0,
+                            max_tokens: int | None = None) -> None:
         """A stream's first token: ``ttft`` seconds after admission, with ``ahead`` prefills per replica
         pending ahead of it then (of the kind the gate counts: see ``PoolQueue.prefill_pending``) and
-        ``inflight_at_admit`` requests in flight."""
-        self._slow_start(ttft, inflight_at_admit)
+        ``inflight_at_admit`` requests in flight; the request may produce ``max_tokens`` tokens."""
+        self._slow_start(ttft, inflight_at_admit, max_tokens)
         self.prefill_each = _ewma(self.prefill_each, ttft / (ahead + 1.0))
         self.prefill_samples += 1
         if self.prefill_limit is None:
@@ -362,14 +365,14 @@ class Capacity:
         elif ttft < 0.8 * self.ttft_target and ahead + 2.0 >= self.prefill_limit:
             self.prefill_limit += 1.0 / self.count()
 
-    def _slow_start(self, ttft: float, inflight_at_admit: int) -> None:
+    def _slow_start(self, ttft: float, inflight_at_admit: int, max_tokens: int | None = None) -> None:
         """Until the pool's first answer ends, the SLO limit grows on leading signals: a first token under
         80% of the TTFT target, of a request admitted with at least half the limit in flight, while the
-        replicas' live decode speed is under 80% of the TPOT target (so E2E, which is TTFT plus the
-        tokens at that speed, is within its target too) and they are not saturated: by one, as a fast
-        sample would. A cold pool otherwise held ``initial_concurrency`` until its first answer: on the
-        CPU vLLM 8 in flight and a first answer at 10.9 s shed 8 of a steady cell's 37 requests that
-        admission off served within the SLO.
+        replicas' live decode speed is fast enough for that request (``_slow_start_decode``: under 80% of
+        the TPOT target, and of what its tokens may take within 80% of the E2E target) and they are not
+        saturated: by one, as a fast sample would. A cold pool otherwise held ``initial_concurrency`` until
+        its first answer: on the CPU vLLM 8 in flight and a first answer at 10.9 s shed 8 of a steady
+        cell's 37 requests that admission off served within the SLO.
 
         The first tokens of the first requests come before the replicas have decoded enough for a live
         speed (``judge_live``: a few scrape intervals). Those that qualify otherwise are kept as credit
@@ -382,10 +385,26 @@ class Capacity:
         n = self.count()
         if inflight_at_admit / n + 1 < 0.5 * self.limit:
             return
+        decode = self._slow_start_decode(ttft, max_tokens)
         if self.live_tpot is None:
             self.slow_start_credit += 1.0 / n
-        elif self.live_tpot < 0.8 * self.tpot_target:
+            self.slow_start_decode = min(self.slow_start_decode, decode)
+        elif self.live_tpot < decode:
             self._grow(1.0 / n, n)
+
+    def _slow_start_decode(self, ttft: float, max_tokens: int | None) -> float:
+        """The live decode speed under which a first token at ``ttft`` of a request that may produce
+        ``max_tokens`` tokens lets the slow start grow: 80% of the TPOT target, and where the E2E target is
+        the tighter bound, the speed at which its tokens end within 80% of it. (The TPOT bound alone was
+        taken to bound E2E too; under the admission experiment's SLO, 128 tokens in 5 s, it does not: a
+        gateway restarted beside a full simulated A100 grew its limit from 41 to 117 on first tokens in
+        4 s at a decode speed of 26-35 ms, a 3.4-4.6 s E2E at 128 tokens against a 3.75 s target, and
+        every answer of its first 4 s missed the SLO: docs/benchmarks.md section 7, session 28.)"""
+        bound = 0.8 * self.tpot_target
+        out = self.est_output(max_tokens)
+        if out is not None and out > 1:
+            bound = min(bound, (0.8 * self.e2e_target - ttft) / (out - 1))
+        return bound
 
     def _cut_to(self, base: float, overshoot: float, n: int) -> float:
         """A cut limit: ``base`` in proportion to the overshoot (at least 10%, at most half), never under

@@ -727,7 +727,7 @@ class PoolQueue:
             return []
         self._end_prefill(t)
         if self.prefill_pending(t.cls, t.tenant) is not None:  # (a class the gate counts)
-            self.capacity.observe_first_token(now - t.admitted_at, t.prefill_ahead, t.inflight_at_admit)
+            self.capacity.observe_first_token(now - t.admitted_at, t.prefill_ahead, t.inflight_at_admit, t.max_tokens)
         return self.pump(now) if self.queued else []
 
     def next_deadline(self) -> float | None:
