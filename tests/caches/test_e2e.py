@@ -24,7 +24,11 @@ def pair(vllm_server, redis_url, tmp_path):
     gws = []
     for name in ("a", "b"):
         cfg = pool_cfg(vllm_server.model, [vllm_server.base_url], filters=["cache"],
-                       cache={"redis_url": redis_url, "namespace": ns},
+                       # A Redis call slower than redis_timeout_s bypasses the cache (its own tests: test_redis_store.py).
+                       # At the default 0.1 s a stall of the gateway's process (CI logged 0.4-0.7 s GC pauses in
+                       # the test process on a slow host) turned the first request's lookup into a bypass where
+                       # this test expects a miss; what is tested here is two gateways sharing answers.
+                       cache={"redis_url": redis_url, "namespace": ns, "redis_timeout_s": 2.0},
                        ledger={"jsonl_path": str(tmp_path / f"ledger-{name}.jsonl"), "flush_interval_s": 0.1})
         cfg["pools"][0]["prices"] = {"input_per_1m": 1.0, "output_per_1m": 2.0}
         gws.append(start_gateway(tmp_path, cfg))
