@@ -228,12 +228,7 @@ class Simulation:
                                                              up=policy.up, down=policy.down)
         self.queue: PoolQueue | None = None
         if policy.admission:
-            cfg = AdmissionCfg()
-            cap = Capacity(cfg, slo.ttft_ms / 1e3, slo.tpot_ms / 1e3, slo.e2e_ms / 1e3,
-                           replicas=lambda: [r.scraped for r in self._serving()],
-                           replica_count=lambda: len(self._serving()))
-            self.queue = PoolQueue("llama-8b", cap, reserve_fraction=cfg.reserve_fraction, max_queue=cfg.max_queue,
-                                   e2e_slo_s=slo.e2e_ms / 1e3, return_prior=cfg.retry_return_prior)
+            self.queue = self.admission_queue()
             self.deadline_s = slo.ttft_ms / 1e3  # interactive class: the TTFT SLO (admission's default)
         self.sends: list[tuple[float, int, Req]] = []  # (time, seq, request): first sends and retries
         self.timeouts: list[tuple[float, int, Req, int]] = []  # (deadline, seq, request, attempt)
@@ -243,6 +238,16 @@ class Simulation:
         self.timeline: list[dict[str, float]] = []
         self.hpa_log: list[tuple[float, int, float]] = []
         self.peak_replicas = n0
+
+    def admission_queue(self, view: Callable[[ReplicaView], Any] = lambda v: v) -> PoolQueue:
+        """A fresh gateway's admission queue (nothing learnt) in front of the serving replicas, which it sees
+        through ``view`` of what it scraped from each."""
+        cfg, slo = AdmissionCfg(), self.slo
+        cap = Capacity(cfg, slo.ttft_ms / 1e3, slo.tpot_ms / 1e3, slo.e2e_ms / 1e3,
+                       replicas=lambda: [view(r.scraped) for r in self._serving()],
+                       replica_count=lambda: len(self._serving()))
+        return PoolQueue("llama-8b", cap, reserve_fraction=cfg.reserve_fraction, max_queue=cfg.max_queue,
+                         e2e_slo_s=slo.e2e_ms / 1e3, return_prior=cfg.retry_return_prior)
 
     # -- fleet --
     def _serving(self) -> list[Replica]:

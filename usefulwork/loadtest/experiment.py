@@ -299,9 +299,10 @@ def _backend_process(exp: Experiment, profile: Profile, port: int, log_path: Pat
                          port=port, max_model_len=int(b.get("max_model_len", 2048)),
                          kv_cache_gib=int(b.get("kv_cache_gib", 2)), extra_args=profile.vllm_args, log_path=log_path)
     from usefulwork.backends.sim.process import SimProcess
+    from usefulwork.backends.sim.tokens import approx_by_default
 
     extra = dict(profile.sim_overrides)
-    if "tokenizer" not in extra and os.environ.get("USEFULWORK_SIM_TOKENIZER", "") != "approx":
+    if "tokenizer" not in extra and not approx_by_default():
         from usefulwork.backends.model import ensure_model
 
         # The simulator counts prompt tokens with the converted SmolLM2 tokenizer, the one the workloads size

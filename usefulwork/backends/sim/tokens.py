@@ -172,10 +172,16 @@ def _compile_template(source: str):
     return env.from_string(source)
 
 
+def approx_by_default() -> bool:
+    """``USEFULWORK_SIM_TOKENIZER=approx``: with no folder named, count ~4 bytes a token even where the
+    converted SmolLM2 folder exists."""
+    return os.environ.get("USEFULWORK_SIM_TOKENIZER", "") == "approx"
+
+
 @lru_cache(maxsize=4)
 def load_tokenizer(model_dir: str | None = None) -> SimTokenizer:
     """The tokenizer for a folder (default: the converted SmolLM2 folder, if present)."""
-    if model_dir is None and os.environ.get("USEFULWORK_SIM_TOKENIZER", "") != "approx":
+    if model_dir is None and not approx_by_default():
         from usefulwork.backends.model import default_model_dir
 
         d = default_model_dir()

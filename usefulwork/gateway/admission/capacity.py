@@ -308,11 +308,9 @@ class Capacity:
         lives = _healthy_figures(reps, "itl_live")
         live = max(lives, default=None)
         self.live_tpot = live
-        self.live_tpot_mean = sum(lives) / len(lives) if lives else None
-        prefills = _healthy_figures(reps, "prefill_live")
-        self.live_prefill = sum(prefills) / len(prefills) if prefills else None
-        ends = _healthy_figures(reps, "e2e_live")
-        self.live_service = sum(ends) / len(ends) if ends else None
+        self.live_tpot_mean = _mean(lives)
+        self.live_prefill = _mean(_healthy_figures(reps, "prefill_live"))
+        self.live_service = _mean(_healthy_figures(reps, "e2e_live"))
         if self.slow_start_credit and live is not None:
             credit, self.slow_start_credit = self.slow_start_credit, 0.0
             bound, self.slow_start_decode = self.slow_start_decode, math.inf
@@ -558,6 +556,10 @@ class Capacity:
 def _healthy_figures(reps: list, attr: str) -> list[float]:
     """The healthy replicas' live figure ``attr`` (``Replica.itl_live``, ``prefill_live``, ``e2e_live``), where they have one."""
     return [v for r in reps if getattr(r, "healthy", True) and (v := getattr(r, attr, None)) is not None]
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
 
 
 class Window:
