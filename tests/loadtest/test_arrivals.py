@@ -77,3 +77,16 @@ def test_from_spec_and_errors():
     with pytest.raises(ArrivalError, match="does not take burstiness"):
         from_spec({"process": "poisson", "rate": 1, "burstiness": 2})
     assert set(arrivals.PROCESSES) == {"constant", "poisson", "gamma", "onoff"}
+
+
+def test_onoff_walks_past_segment_ends_that_floating_point_cannot_reach():
+    """A period that is not a round number (the experiment's 30 s divided by a calibrated pace of 1.4533):
+    ``t % period_s`` at a segment's end came out a hair short of it, the segment's end rounded back to
+    ``t``, and the walk spun forever inside the loadtest's burst cell."""
+    proc = from_spec(arrivals.paced({"process": "onoff", "base_rate": 0.2, "peak_rate": 2.0, "period_s": 30,
+                                     "duty": 0.5}, 1.4532509664933468))
+    t = np.array(planned_offsets(proc, np.random.default_rng(7919), duration_s=2000.0))
+    on = np.count_nonzero(t % proc.period_s < proc.duty * proc.period_s)
+    assert len(t) / 2000.0 == pytest.approx(proc.mean_rate, rel=0.08)
+    assert on / len(t) == pytest.approx(proc.peak_rate / (proc.peak_rate + proc.base_rate), abs=0.03)
+    assert np.all(np.diff(t) > 0)

@@ -124,23 +124,29 @@ class OnOff:
 
     def offsets(self, rng: np.random.Generator) -> Iterator[float]:
         # Exact inversion of the piecewise-constant cumulative intensity: draw an Exp(1) amount of
-        # "intensity" and walk through the on/off segments until it is used up.
+        # "intensity" and walk through the on/off segments until it is used up. The walk counts
+        # segments (period ``k``, on or off) rather than taking ``t % period_s``: with a period that is
+        # not a round number (an experiment's periods divided by its calibrated pace, 30 / 1.4533 s) the
+        # remainder at a segment's end could come out a hair short of it, that segment's end then
+        # rounded back to ``t`` itself, and the walk never moved again (a loadtest hung in its burst cell).
         t = 0.0
+        k, on = 0, True
         on_len = self.duty * self.period_s
         while True:
             need = float(rng.exponential(1.0))
             while True:
-                phase = t % self.period_s
-                if phase < on_len:
-                    rate, seg_end = self.peak_rate, t - phase + on_len
-                else:
-                    rate, seg_end = self.base_rate, t - phase + self.period_s
-                room = (seg_end - t) * rate
+                rate = self.peak_rate if on else self.base_rate
+                seg_end = k * self.period_s + (on_len if on else self.period_s)
+                room = max(0.0, seg_end - t) * rate
                 if rate > 0 and need <= room:
                     t += need / rate
                     break
                 need -= room
-                t = seg_end
+                t = max(t, seg_end)
+                if on:
+                    on = False
+                else:
+                    k, on = k + 1, True
             yield t
 
     @property
