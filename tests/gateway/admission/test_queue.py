@@ -517,6 +517,41 @@ def test_live_decode_speed_cuts_the_limit_before_any_request_ends():
     assert cap.live_tpot is None and cap.decreases == 1
 
 
+def test_a_bursts_prefills_are_judged_at_a_full_pools_turnover_not_at_the_bursts_peak():
+    """While a burst's prompts are prefilled, every running token waits for them: the live figure is the
+    peak's. Once the pool is full, prompts come only as slots free, so an admitted request sees a full
+    pool's turnover of prefills over its life. (On the real CPU vLLM two live cuts took the limit from 27
+    to 14.6 in a burst whose admitted answers decoded at 77-100 ms against the 112 ms target.)"""
+    class R:
+        healthy = True
+        scrapes = 0
+        itl_live = None
+
+    def burst(itl: float, prompts: int) -> Capacity:
+        r = R()
+        cap = Capacity(AdmissionCfg(initial_concurrency=20), *SLO, replicas=lambda: [r])  # TPOT target 75 ms
+        cap.service, cap.prefill_each = 10.0, 0.25  # a full pool turns over 2 prompts a second: 50% prefill
+        r.scrapes = 1
+        cap.judge_live(0.0, 0)
+        for i in range(prompts):  # admitted in the 4 s the next scrapes cover
+            cap.note_admit(0.1 + 3.8 * i / prompts)
+        r.scrapes, r.itl_live = 2, itl
+        cap.judge_live(4.0, prompts)
+        return cap
+
+    # 12 prompts in 4 s: 75% of the time on prefills; 120 ms a token read, 60 ms at the pool's turnover
+    cap = burst(0.12, 12)
+    assert cap.live_tpot_peak == 0.12 and cap.live_tpot == pytest.approx(0.12 * 0.25 / 0.5)
+    assert cap.limit == 20 and cap.decreases == 0
+    # a decode slow beyond the prefills' share is still cut (200 ms read: 100 ms at the turnover)
+    cap = burst(0.20, 12)
+    assert cap.live_tpot == pytest.approx(0.10) and cap.decreases == cap.live_decreases == 1
+    assert cap.limit == pytest.approx(12 * 0.75)  # from what was in flight, in proportion to 100 / 75 ms
+    # no more prompts than a full pool brings: judged as read
+    cap = burst(0.12, 6)
+    assert cap.live_tpot == 0.12 and cap.decreases == 1
+
+
 def test_under_priority_scheduling_a_slow_decode_with_batch_work_beyond_the_slo_limit_cuts_the_fill_limit():
     """Batch work that fills the pool past the SLO limit is what slows the decode: it yields (the fill limit
     is cut), and interactive work keeps its SLO limit. (Cutting the SLO limit instead took the real CPU

@@ -542,6 +542,7 @@ class PoolQueue:
             t.over_share = self.over_share(t.tenant, self.capacity.current())
         t.state = "admitted"
         t.admitted_at = now
+        self.capacity.note_admit(now)
         t.inflight_at_admit = self.inflight
         self.inflight += 1
         self.inflight_cls[t.cls] += 1
