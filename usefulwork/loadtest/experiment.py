@@ -430,8 +430,9 @@ class Gateway(ManagedProcess):
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
+        # (at INFO: every admission limit cut is logged with its reason in gateway-PORT.log beside the results)
         return [sys.executable, "-m", "usefulwork.cli", "serve", "--config", str(self.config_path),
-                "--host", "127.0.0.1", "--port", str(self.port)]
+                "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "info"]
 
     def start(self, timeout_s: float = 60.0) -> "Gateway":
         super().start()

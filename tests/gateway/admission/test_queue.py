@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+import logging
 from collections.abc import Callable
 
 import pytest
@@ -517,7 +518,7 @@ def test_live_decode_speed_cuts_the_limit_before_any_request_ends():
     assert cap.live_tpot is None and cap.decreases == 1
 
 
-def test_a_bursts_prefills_are_judged_at_a_full_pools_turnover_not_at_the_bursts_peak():
+def test_a_bursts_prefills_are_judged_at_a_full_pools_turnover_not_at_the_bursts_peak(caplog):
     """While a burst's prompts are prefilled, every running token waits for them: the live figure is the
     peak's. Once the pool is full, prompts come only as slots free, so an admitted request sees a full
     pool's turnover of prefills over its life. (On the real CPU vLLM two live cuts took the limit from 27
@@ -543,8 +544,11 @@ def test_a_bursts_prefills_are_judged_at_a_full_pools_turnover_not_at_the_bursts
     cap = burst(0.12, 12)
     assert cap.live_tpot_peak == 0.12 and cap.live_tpot == pytest.approx(0.12 * 0.25 / 0.5)
     assert cap.limit == 20 and cap.decreases == 0
-    # a decode slow beyond the prefills' share is still cut (200 ms read: 100 ms at the turnover)
-    cap = burst(0.20, 12)
+    # a decode slow beyond the prefills' share is still cut (200 ms read: 100 ms at the turnover), and the
+    # cut's log says both
+    with caplog.at_level(logging.INFO, logger="usefulwork.admission"):
+        cap = burst(0.20, 12)
+    assert "live decode 100 ms a token (read 200 ms" in caplog.text
     assert cap.live_tpot == pytest.approx(0.10) and cap.decreases == cap.live_decreases == 1
     assert cap.limit == pytest.approx(12 * 0.75)  # from what was in flight, in proportion to 100 / 75 ms
     # no more prompts than a full pool brings: judged as read

@@ -380,7 +380,9 @@ class Capacity:
         return live if s_now <= s_full else live * (1.0 - s_now) / (1.0 - s_full)
 
     def _live_why(self, live: float, inflight: int) -> str:
-        return f"live decode {live * 1e3:.0f} ms a token over the {self.tpot_target * 1e3:.0f} ms target, {inflight} in flight"
+        peak = self.live_tpot_peak
+        read = f" (read {peak * 1e3:.0f} ms, a burst's prefills judged at a full pool's)" if peak and peak > live else ""
+        return f"live decode {live * 1e3:.0f} ms a token{read} over the {self.tpot_target * 1e3:.0f} ms target, {inflight} in flight"
 
     def observe_first_token(self, ttft: float, ahead: float, inflight_at_admit: int = 0,
                             max_tokens: int | None = None) -> None:
