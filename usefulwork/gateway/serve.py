@@ -171,9 +171,18 @@ def _terminate(signum, frame) -> None:
     raise SystemExit(0)
 
 
+def setup_logging(level: str) -> None:
+    """The gateway's log at ``level``. httpx logs every request it makes at INFO: below DEBUG it is kept to
+    warnings, or the fleet's health checks and /metrics scrapes (two a replica every 2 s) drown the lines
+    that matter at INFO (the admission limits' cuts and their reasons, replicas up and down)."""
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if level != "debug":
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
 def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _terminate)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level)
     try:
         cfg = load(args.config)
     except ConfigError as exc:

@@ -132,11 +132,11 @@ class Supervisor:
 
 def worker_main(log_level: str) -> int:
     """One worker: the config from the environment, serve on the inherited socket until SIGTERM."""
-    from usefulwork.gateway.serve import _terminate, run_gateway
+    from usefulwork.gateway.serve import _terminate, run_gateway, setup_logging
 
     for sig in (signal.SIGTERM, signal.SIGINT):  # uvicorn re-raises the signal after its graceful stop: exit 0
         signal.signal(sig, _terminate)
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(log_level)
     cfg = Config.model_validate_json(os.environ[ENV_CONFIG])
     sock = socket.socket(fileno=int(os.environ[ENV_FD]))
     run_gateway(cfg, log_level, sockets=[sock], quiet=True)
