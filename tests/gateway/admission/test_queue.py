@@ -733,10 +733,11 @@ def test_simulated_burst_every_admitted_request_meets_its_deadline():
 
 
 def _run_with_retries(q: PoolQueue, tenant: str, arrivals: list[float], retry: bool,
-                      service: Callable[[int], float] | None = None) -> tuple[int, int, list[float]]:
+                      service: Callable[[int], float] | None = None,
+                      max_retries: int = 3) -> tuple[int, int, list[float]]:
     """``tenant``'s clients arrive at ``arrivals``, each served for ``service(i)`` (default 0.7-1.3 s);
-    with ``retry`` a shed one waits out its Retry-After and sends the same request again (up to 3
-    times). Returns (first retries, of them admitted, the Retry-After of each first shed)."""
+    with ``retry`` a shed one waits out its Retry-After and sends the same request again (up to
+    ``max_retries`` times). Returns (first retries, of them admitted, the Retry-After of each first shed)."""
     if service is None:
         def service(i: int) -> float:
             return 0.7 + 0.6 * ((i * 7) % 11) / 10
@@ -761,7 +762,7 @@ def _run_with_retries(q: PoolQueue, tenant: str, arrivals: list[float], retry: b
                 admitted_first += d.kind != "shed"
             if d.kind == "admit":
                 heapq.heappush(events, (now + service(seq), seq, "done", nt, 0))
-            elif d.kind == "shed" and retry and tries < 3:
+            elif d.kind == "shed" and retry and tries < max_retries:
                 heapq.heappush(events, (now + d.retry_after_s, seq, "arrive", key, tries + 1))
         else:
             for nt in q.release(t, now):
@@ -814,6 +815,46 @@ def test_a_tenant_whose_clients_never_return_does_not_clump_another_tenants_retr
     first_retries, admitted_first, _ = _burst_with_retries(q, "back", 100.0, retry=True)
     assert first_retries > 50 and admitted_first / first_retries >= 0.9
     assert q.return_rate("gone") < 0.1 and q.return_rate("back") > 0.9
+
+
+def test_the_place_after_a_clients_last_retry_is_learnt_as_a_ghost():
+    """Clients whose SDK retries once (the OpenAI SDK's default is twice) never come back for the place
+    held after their second shed. The return rate is learnt per shed count, so those places stop
+    counting as work ahead while the first sheds' places still do. Learnt per tenant only, those ghosts
+    kept its rate near 1 and stacked everyone's Retry-After: 85% of first retries admitted here."""
+    q = make_queue(limit=8, service_s=1.0)
+    arrivals = [i / 24.0 for i in range(240)] + [10 + i / 4.0 for i in range(60)]  # 3x for 10 s, then 4 req/s
+    first_retries, admitted_first, _ = _run_with_retries(q, "a", arrivals, retry=True, max_retries=1)
+    q._prune(100.0)
+    assert first_retries > 200 and admitted_first / first_retries >= 0.93
+    assert q.return_rate("a", 1) > 0.9 and q.return_rate("a", 2) < 0.25
+    assert q.stats()["retry_return_rate_by_shed"]["a"]["2"] < 0.25  # (shown in /usefulwork/stats)
+
+
+def test_a_returning_retry_is_not_held_behind_a_place_whose_client_did_not_come():
+    """A place more than ``RESERVATION_LATE_S`` past its time no longer counts ahead of a returning
+    retry (its client, told a Retry-After as exact, did not come), though it is kept for its grace."""
+    q = make_queue(limit=1, service_s=1.0)
+    q.return_prior = 1.0  # shed clients are expected back
+    first = ticket(0.0)
+    assert q.offer(first, 0.0).kind == "admit"
+    second = ticket(0.0)
+    assert q.offer(second, 0.0).kind == "queue"
+    a, b = ticket(0.0), ticket(0.0)
+    a.key, b.key = 1, 2
+    da, db = q.offer(a, 0.0), q.offer(b, 0.0)
+    assert da.kind == db.kind == "shed"
+    # (1 queued + places promised + 4) at 1 a second, less 3/4 of the 1.9 s budget; b is behind a's place.
+    assert (da.retry_after_s, db.retry_after_s) == pytest.approx((3.575, 4.575))
+    assert q.release(first, 1.0) == [second]
+    assert q.release(second, 2.0) == []
+    # a never comes back; at b's time a's place is 1 s overdue (still held: its grace is 2 s).
+    now = db.retry_after_s
+    assert len(q.reservations) == 2
+    back = ticket(now)
+    back.key = 2
+    assert q.offer(back, now).kind == "admit"
+    assert q.return_rate("a", 1) == 1.0  # (a's place has not ended yet: nothing learnt from it)
 
 
 def test_clumped_releases_of_continuous_batching_do_not_leave_sheds_to_the_deadline():

@@ -34,6 +34,14 @@ never return teach the gateway to give another tenant's returning clients one an
 Retry-After, so they came back together into room for one or two. A tenant not seen yet starts at
 ``return_prior`` (0.5: no evidence either way; 1.0 spread a retrying tenant's first wave best but held
 places for clients that never return: 99 more requests failed in the autoscale what-if's day).
+Within a tenant the rate is also learnt per shed count (``return_rate(tenant, sheds)``, the tenant's
+rate as its prior): an SDK retries a set number of times, so the place held after a request's last
+allowed retry is a ghost while the earlier ones are taken back. Learnt per tenant only, those ghosts
+kept the rate near 1 and stacked every later Retry-After on places nobody would take (in the autoscale
+what-if's day, Retry-After grew to 75 s and SLO attainment fell to 71-85% on four of eight seeds). And
+a returning retry does not count places more than ``RESERVATION_LATE_S`` past their time as ahead of
+it: clients told a Retry-After come back within that, so such a place's client is not coming (the
+place is still kept for its grace, and learnt as not taken back when that ends).
 The drain is a fluid, but where even the first place a request could take frees later than its
 budget can wait (a pool full of requests that started together), the drain starts from that place.
 A retry that takes its place back queues by when the place was promised (``Ticket.since``): behind
@@ -62,7 +70,9 @@ from usefulwork.gateway.tenants import PRIORITIES
 
 DecisionKind = Literal["admit", "queue", "shed"]
 RESERVATION_GRACE_S = 2.0  # how long past its Retry-After a shed request's place is kept
+RESERVATION_LATE_S = 0.25  # a place this far past its time no longer counts ahead of a returning retry
 RETURN_EWMA = 0.05  # weight of one ended reservation in the return rate
+MAX_SHED_COUNT = 8  # return rates are learnt per shed count up to this (later sheds share the last)
 OVERSHOOT = 1.1  # a queued ticket at its latest start may exceed the limit by this factor (one cut's worth)
 QUEUE_SAFETY = 0.75  # queue only when the predicted wait leaves a quarter of the budget spare (slots free in clumps)
 State = Literal["new", "queued", "admitted", "released", "shed", "cancelled"]
@@ -80,6 +90,7 @@ class Ticket:
     max_tokens: int | None = None
     key: int = 0  # identifies a retry of the same request (tenant + body): its reserved place
     since: float | None = None  # a retry that took back its place: when that place was promised (it queues by this)
+    sheds: int = 0  # a retry that took back its place: how many times in a row this request was shed before
     state: State = "new"
     admitted_at: float | None = None
     inflight_at_admit: int = 0
@@ -134,12 +145,12 @@ class PoolQueue:
     admitted_total: int = 0
     shed_total: dict[str, int] = field(default_factory=dict)
     reservations: list[tuple[float, int]] = field(default_factory=list)  # (retry time, ticket key), sorted
-    _held: dict[int, tuple[float, str, float]] = field(default_factory=dict)  # ticket key -> (its time, tenant, promised at)
-    _held_by: dict[str, int] = field(default_factory=dict)  # tenant -> places it holds
+    _held: dict[int, tuple[float, str, float, int]] = field(default_factory=dict)  # ticket key -> (its time, tenant, promised at, shed count)
     retries_honoured: int = 0
     return_prior: float = 0.5  # return rate of a tenant with no ended reservation yet
     return_prior_weight: float = 1.0  # how many ended reservations the prior counts as (one: the first outcomes decide)
     returns: dict[str, tuple[float, float]] = field(default_factory=dict)  # tenant -> (taken back, ended), decayed
+    returns_by_count: dict[tuple[str, int], tuple[float, float]] = field(default_factory=dict)  # (tenant, shed count) -> the same
     inflight_tenant: dict[str, int] = field(default_factory=dict)
     last_seen: dict[str, float] = field(default_factory=dict)  # tenant -> its last request's arrival
     pending: int = 0  # prefills admitted and not yet answered (first token not seen), all classes
@@ -367,7 +378,7 @@ class PoolQueue:
             self._top_seen = now
         held = self._take_reservation(t.key, now)
         if held is not None:
-            t.since = held[1]
+            t.since, t.sheds = held[1], held[2]
         budget = self.budget(t, now)
         # A returning request is behind only the places promised before its own; a new one is behind
         # every place that falls due within its budget. A tenant under its fair share (others active) is
@@ -375,7 +386,10 @@ class PoolQueue:
         # retries held the quiet tenants' requests in the queue for up to 0.6 s at 2x overload.
         mine = (t.tenant if self.reservations and self.tenant_headroom
                 and self.share_state(t.tenant, self.capacity.current()) == -1 else None)
-        reserved = round(self._reserved_until(held[0] if held is not None else now + max(0.0, budget), mine))
+        # A returning retry does not count places already RESERVATION_LATE_S past their time: their clients
+        # (told the same kind of Retry-After) did not come, most often because they had used their last retry.
+        reserved = round(self._reserved_until(held[0], mine, now - RESERVATION_LATE_S) if held is not None
+                         else self._reserved_until(now + max(0.0, budget), mine))
         wait = self.predict_wait(t, now, reserved)
         if wait == 0.0 and self.ahead_of(t) == 0:
             self._admit(t, now)
@@ -430,7 +444,7 @@ class PoolQueue:
             # E2E-bound ``budget``, admitted more first retries in the wall-clock experiment (70-79% against
             # 68%) but held retried requests longer: in the autoscale what-if, whose SLO counts from the
             # first send, attainment fell from 98.5% to 87.9%. Not kept: docs/admission.md.)
-            promised = round(sum(self.return_rate(x) * n for x, n in self._held_by.items()))
+            promised = round(self._reserved_until(math.inf))
             behind_all = self.ahead_of(t) + promised + 4 - max(0, self.free(t.cls, t.tenant))
             retry = max(0.0, behind_all / rate - QUEUE_SAFETY * full_budget)
             if first > 0:
@@ -442,31 +456,31 @@ class PoolQueue:
             retry = 1.0
         retry = max(retry, first, 0.05)
         if t.cls < 2 and t.key:
-            self._reserve(now + retry, t.key, t.tenant, now)
+            self._reserve(now + retry, t.key, t.tenant, now, t.sheds + 1)
         return retry
 
     # -- retry reservations --
-    def return_rate(self, tenant: str) -> float:
+    def return_rate(self, tenant: str, sheds: int | None = None) -> float:
         """Share of ``tenant``'s held places its clients took back lately: taken back over ended, with the
-        prior counted as ``return_prior_weight`` ended places (``return_prior`` before any ended)."""
+        prior counted as ``return_prior_weight`` ended places (``return_prior`` before any ended). With
+        ``sheds``, of the places held after a request's ``sheds``-th shed in a row, with the tenant's rate
+        as the prior: an SDK retries a set number of times, so the place after its last retry is a ghost."""
         back, ended = self.returns.get(tenant, (0.0, 0.0))
         w = self.return_prior_weight
-        return (back + self.return_prior * w) / (ended + w)
+        rate = (back + self.return_prior * w) / (ended + w)
+        if sheds is None:
+            return rate
+        back, ended = self.returns_by_count.get((tenant, min(sheds, MAX_SHED_COUNT)), (0.0, 0.0))
+        return (back + rate * w) / (ended + w)
 
-    def _learn_return(self, tenant: str, returned: bool) -> None:
-        back, ended = self.returns.get(tenant, (0.0, 0.0))
+    def _learn_return(self, tenant: str, sheds: int, returned: bool) -> None:
         keep = 1.0 - RETURN_EWMA  # older outcomes fade: a tenant's clients may change
-        self.returns[tenant] = (back * keep + returned, ended * keep + 1.0)
+        for table, k in ((self.returns, tenant), (self.returns_by_count, (tenant, min(sheds, MAX_SHED_COUNT)))):
+            back, ended = table.get(k, (0.0, 0.0))
+            table[k] = (back * keep + returned, ended * keep + 1.0)
 
-    def _unhold(self, key: int) -> tuple[float, str, float] | None:
-        held = self._held.pop(key, None)
-        if held is not None:
-            n = self._held_by[held[1]] - 1
-            if n:
-                self._held_by[held[1]] = n
-            else:
-                del self._held_by[held[1]]
-        return held
+    def _unhold(self, key: int) -> tuple[float, str, float, int] | None:
+        return self._held.pop(key, None)
 
     def _prune(self, now: float) -> None:
         r = self.reservations
@@ -474,42 +488,49 @@ class PoolQueue:
         while i < len(r) and r[i][0] + RESERVATION_GRACE_S < now:
             held = self._unhold(r[i][1])
             if held is not None:
-                self._learn_return(held[1], False)  # expired: nobody came back for it
+                self._learn_return(held[1], held[3], False)  # expired: nobody came back for it
             i += 1
         if i:
             del r[:i]
 
-    def _reserve(self, at: float, key: int, tenant: str, since: float) -> None:
-        """Hold a place at ``at`` for the retry of ``key``, promised at ``since``."""
+    def _reserve(self, at: float, key: int, tenant: str, since: float, sheds: int = 1) -> None:
+        """Hold a place at ``at`` for the retry of ``key``, promised at ``since`` after its ``sheds``-th shed."""
         old = self._unhold(key)
         if old is not None:
             self.reservations.remove((old[0], key))
-        self._held[key] = (at, tenant, since)
-        self._held_by[tenant] = self._held_by.get(tenant, 0) + 1
+        self._held[key] = (at, tenant, since, sheds)
         bisect.insort(self.reservations, (at, key))
 
-    def _take_reservation(self, key: int, now: float) -> tuple[float, float] | None:
-        """The retry of a shed request takes back its place; returns (the place's time, when it was promised)."""
+    def _take_reservation(self, key: int, now: float) -> tuple[float, float, int] | None:
+        """The retry of a shed request takes back its place; returns (the place's time, when it was promised,
+        how many times in a row the request was shed)."""
         self._prune(now)
         held = self._unhold(key) if key else None
         if held is None:
             return None
-        at, tenant, since = held
+        at, tenant, since, sheds = held
         self.reservations.remove((at, key))
         self.retries_honoured += 1
-        self._learn_return(tenant, True)
-        return at, since
+        self._learn_return(tenant, sheds, True)
+        return at, since, sheds
 
-    def _reserved_until(self, until: float, tenant: str | None = None) -> float:
-        """Places held for retries due before ``until`` (only ``tenant``'s, if given), each weighted by its
-        tenant's return rate."""
+    def _reserved_until(self, until: float, tenant: str | None = None, after: float = -math.inf) -> float:
+        """Places held for retries due in [``after``, ``until``) (only ``tenant``'s, if given), each weighted
+        by the return rate of its tenant at its shed count."""
         n = 0.0
-        for at, key in self.reservations:
+        r = self.reservations
+        rates: dict[tuple[str, int], float] = {}
+        for i in range(bisect.bisect_left(r, (after,)) if after > -math.inf else 0, len(r)):
+            at, key = r[i]
             if at >= until:
                 break
-            holder = self._held[key][1]
+            _, holder, _, sheds = self._held[key]
             if tenant is None or holder == tenant:
-                n += self.return_rate(holder)
+                k = (holder, sheds)
+                rate = rates.get(k)
+                if rate is None:
+                    rate = rates[k] = self.return_rate(holder, sheds)
+                n += rate
         return n
 
     # -- queue mechanics --
@@ -743,6 +764,9 @@ class PoolQueue:
                 "prefill_pending": self.pending, "prefill_pending_low_band": self.pending_low,
                 "retry_reservations": len(self.reservations), "retries_honoured": self.retries_honoured,
                 "retry_return_rate": {k: round(self.return_rate(k), 3) for k in self.returns},
+                "retry_return_rate_by_shed": {
+                    k: {str(n): round(self.return_rate(k, n), 3) for (u, n) in sorted(self.returns_by_count) if u == k}
+                    for k in self.returns},
                 "shed": dict(self.shed_total), "capacity": self.capacity.stats(),
                 "fair_share_tokens": {k: round(v, 1) for k, v in self.counters.items()}}
 
