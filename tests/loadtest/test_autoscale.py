@@ -137,6 +137,7 @@ def test_clients_set_each_requests_tenant_and_retries_and_the_first_retry_is_rec
     assert all(q.first_retry == "" for q in back if q.attempts == 1)
     assert {q.first_retry for q in retried} == {"admitted", "shed"}  # (this much overload sheds some again)
     assert sim.queue.returns["back"][0] > 1.0 and sim.queue.returns["gone"][0] == 0.0  # taken back (decayed count)
+    assert sim.queue.retries_honoured == sum(q.attempts - 1 for q in retried)  # every retry found its place
 
 
 def test_a_gateway_restarted_beside_a_full_replica_prices_its_slots_at_the_replicas_request_time():

@@ -146,6 +146,7 @@ class PoolQueue:
     shed_total: dict[str, int] = field(default_factory=dict)
     reservations: list[tuple[float, int]] = field(default_factory=list)  # (retry time, ticket key), sorted
     _held: dict[int, tuple[float, str, float, int]] = field(default_factory=dict)  # ticket key -> (its time, tenant, promised at, shed count)
+    _held_by: dict[tuple[str, int], int] = field(default_factory=dict)  # (tenant, shed count) -> places it holds
     retries_honoured: int = 0
     return_prior: float = 0.5  # return rate of a tenant with no ended reservation yet
     return_prior_weight: float = 1.0  # how many ended reservations the prior counts as (one: the first outcomes decide)
@@ -444,7 +445,7 @@ class PoolQueue:
             # E2E-bound ``budget``, admitted more first retries in the wall-clock experiment (70-79% against
             # 68%) but held retried requests longer: in the autoscale what-if, whose SLO counts from the
             # first send, attainment fell from 98.5% to 87.9%. Not kept: docs/admission.md.)
-            promised = round(self._reserved_until(math.inf))
+            promised = round(sum(self.return_rate(u, sheds) * n for (u, sheds), n in self._held_by.items()))
             behind_all = self.ahead_of(t) + promised + 4 - max(0, self.free(t.cls, t.tenant))
             retry = max(0.0, behind_all / rate - QUEUE_SAFETY * full_budget)
             if first > 0:
@@ -480,7 +481,15 @@ class PoolQueue:
             table[k] = (back * keep + returned, ended * keep + 1.0)
 
     def _unhold(self, key: int) -> tuple[float, str, float, int] | None:
-        return self._held.pop(key, None)
+        held = self._held.pop(key, None)
+        if held is not None:
+            k = (held[1], held[3])
+            n = self._held_by[k] - 1
+            if n:
+                self._held_by[k] = n
+            else:
+                del self._held_by[k]
+        return held
 
     def _prune(self, now: float) -> None:
         r = self.reservations
@@ -499,6 +508,7 @@ class PoolQueue:
         if old is not None:
             self.reservations.remove((old[0], key))
         self._held[key] = (at, tenant, since, sheds)
+        self._held_by[(tenant, sheds)] = self._held_by.get((tenant, sheds), 0) + 1
         bisect.insort(self.reservations, (at, key))
 
     def _take_reservation(self, key: int, now: float) -> tuple[float, float, int] | None:
