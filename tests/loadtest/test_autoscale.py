@@ -144,13 +144,16 @@ def test_a_gateway_restarted_beside_a_full_replica_prices_its_slots_at_the_repli
     """benchmarks/admission_virtual.py --restart: a gateway replaced by a cold one while the replica is full
     and a burst of retrying clients arrives. The cold gateway has timed no request of its own; the replica
     reports how long its requests take now (vllm:e2e_request_latency_seconds, read through the gateway's own
-    Replica record). Priced at the 30 s E2E SLO instead, shed clients were told to come back in 45 s."""
+    Replica record). Priced at the 30 s E2E SLO instead, shed clients were told to come back in 45 s (since
+    Retry-After waits for the slot model behind every promised place, the drained clients come back later
+    and the blind gateway sheds none in its first 10 s on this seed: its cost shows in their time from the
+    first send, 11.8 s against 7.4 s)."""
     from benchmarks import admission_virtual as av
 
     slo = av.RESTART_SLOS["e2e-30s"]
     seen = av.restart_cell(1, slo, server_figure=True)
     blind = av.restart_cell(1, slo, server_figure=False)
-    assert blind["told"] and blind["told_max_s"] > 30.0  # slots priced at the SLO
+    assert not blind["told"] or blind["told_max_s"] > 30.0  # any slot it priced, it priced at the SLO
     assert seen["told"] and seen["told_max_s"] < 10.0  # at what the replica's requests take (~4 s)
     assert seen["served"] >= 0.95 * seen["sent"] and seen["timeouts"] == 0
     assert seen["mean_e2e_from_first_send_s"] < 0.7 * blind["mean_e2e_from_first_send_s"]
