@@ -448,7 +448,8 @@ class PoolQueue:
             # (Against the E2E-bound ``budget`` instead of the TTFT one, retries come back later: in the
             # autoscale what-if, whose SLO counts from the first send, attainment fell from 98.5% to 87.9%.)
             promised = round(sum(self.return_rate(u, sheds) * n for (u, sheds), n in self._held_by.items()))
-            behind_all = self.ahead_of(t) + promised + 4 - max(0, self.free(t.cls, t.tenant))
+            ahead = self.ahead_of(t)
+            behind_all = ahead + promised + 4 - max(0, self.free(t.cls, t.tenant))
             retry = max(0.0, behind_all / rate - QUEUE_SAFETY * full_budget)
             if first > 0:
                 # The fluid drain starts only when that first place frees: from a burst's first seconds
@@ -463,7 +464,7 @@ class PoolQueue:
                 # burst-retry cell, 24 seeds: 69.2% -> 75.3% of first retries admitted; the what-if day's
                 # attainment unchanged. Tried in session 24, when ghost places still stacked every
                 # Retry-After, it cost the day: docs/benchmarks.md section 7, session 31.)
-                behind = self._place_wait(self.ahead_of(t) + promised + 1, t, now)
+                behind = self._place_wait(ahead + promised + 1, t, now)
                 if behind is not None:
                     retry = max(retry, behind - QUEUE_SAFETY * full_budget)
         else:
