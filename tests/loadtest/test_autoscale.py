@@ -140,23 +140,40 @@ def test_clients_set_each_requests_tenant_and_retries_and_the_first_retry_is_rec
     assert sim.queue.retries_honoured == sum(q.attempts - 1 for q in retried)  # every retry found its place
 
 
-def test_a_gateway_restarted_beside_a_full_replica_prices_its_slots_at_the_replicas_request_time():
+def test_most_first_retries_of_the_burst_retry_cell_are_admitted():
+    """benchmarks/admission_virtual.py --retry, the admission experiment's burst-retry cell on the simulated
+    engine's virtual clock (25 req/s for 9 s against ~11.8 of capacity, clients that wait out Retry-After):
+    at least 85% of first retries admitted over seeds 1-4 (the target is 80%). The simulated vLLM runs a
+    burst's prefills first, so requests admitted over a second and a half end together: with each slot
+    priced from its request's start, 74% were (72 / 83 / 79 / 64%); from each stream's first token plus its
+    decode, 86 / 90 / 95 / 91%."""
+    from benchmarks import admission_virtual as av
+
+    cells = [av.retry_cell(seed) for seed in (1, 2, 3, 4)]
+    first = sum(c["first_retries"] for c in cells)
+    admitted = sum(c["admitted_on_first_retry"] for c in cells)
+    assert first > 500 and admitted / first >= 0.85, (admitted, first)
+    assert all(c["attainment_served"] >= 0.95 for c in cells)
+
+
+def test_a_gateway_restarted_beside_a_full_replica_prices_its_slots_at_what_requests_take_now():
     """benchmarks/admission_virtual.py --restart: a gateway replaced by a cold one while the replica is full
-    and a burst of retrying clients arrives. The cold gateway has timed no request of its own; the replica
-    reports how long its requests take now (vllm:e2e_request_latency_seconds, read through the gateway's own
-    Replica record). Priced at the 30 s E2E SLO instead, shed clients were told to come back in 45 s (since
-    Retry-After waits for the slot model behind every promised place, the drained clients come back later
-    and the blind gateway sheds none in its first 10 s on this seed: its cost shows in their time from the
-    first send, 11.8 s against 7.4 s)."""
+    and a burst of retrying clients arrives. The cold gateway has timed no request of its own. It prices a
+    slot of a stream whose first token it saw from that token plus the decode at the replica's live speed,
+    and any other slot at the replica's own request time (vllm:e2e_request_latency_seconds, read through
+    the gateway's own Replica record). Priced at the 30 s E2E SLO instead (the rule before both), shed
+    clients were told to come back in 45 s and took 11.8 s from their first send where 7.4 s would do.
+    Without the replica's request time (``server_figure=False``) the first tokens alone now price the
+    slots: told 7.8 s, 7.2 s from the first send (with it: 8.1 s and 6.8 s)."""
     from benchmarks import admission_virtual as av
 
     slo = av.RESTART_SLOS["e2e-30s"]
     seen = av.restart_cell(1, slo, server_figure=True)
     blind = av.restart_cell(1, slo, server_figure=False)
-    assert not blind["told"] or blind["told_max_s"] > 30.0  # any slot it priced, it priced at the SLO
-    assert seen["told"] and seen["told_max_s"] < 10.0  # at what the replica's requests take (~4 s)
-    assert seen["served"] >= 0.95 * seen["sent"] and seen["timeouts"] == 0
-    assert seen["mean_e2e_from_first_send_s"] < 0.7 * blind["mean_e2e_from_first_send_s"]
+    for r in (seen, blind):
+        assert r["told"] and r["told_max_s"] < 10.0  # at what the replica's requests take (~4 s), not the SLO
+        assert r["served"] >= 0.95 * r["sent"] and r["timeouts"] == 0
+        assert r["mean_e2e_from_first_send_s"] < 9.0
 
 
 def test_a_gateway_restarted_beside_a_full_replica_keeps_the_slo_of_what_it_admits():

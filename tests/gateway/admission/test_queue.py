@@ -1335,3 +1335,29 @@ def test_the_tail_window_gives_the_kth_largest_of_the_last_values_as_a_full_sort
             w.clear()
             last = []
             assert len(w) == 0
+
+
+
+def test_a_streams_slot_is_priced_from_its_first_token_plus_its_decode():
+    """vLLM runs a burst's prefills before the running sequences' next tokens: four requests admitted
+    over 1.5 s get their first tokens together at 2 s and, with 1 s of decode each, end together at 3 s.
+    Priced from their starts (each a slot's hold, 2.5 s plus margin, after it), the slots freed at 2.9,
+    3.4, 3.9 and 4.4 s, and the third of four requests arriving at 2.05 s was shed (a 1.85 s wait against
+    a 1.9 s budget, of which it may queue 3/4); priced from each first token plus its decode, all four
+    slots free at 3 s and all four requests queue."""
+    q = make_queue(limit=4, service_s=2.5)
+    q.capacity.service_dev = 0.2
+    q.capacity.tpot = 1.0 / 127  # 1 s of decode for 128 tokens
+    running = []
+    for at in (0.0, 0.5, 1.0, 1.5):
+        t = Ticket("a", 0, 640.0, at, at + 2.0, max_tokens=128)
+        assert q.offer(t, at).kind == "admit"
+        running.append(t)
+    for t in running:
+        q.first_token(t, 2.0)
+    waits = []
+    for _ in range(4):
+        d = q.offer(Ticket("a", 0, 640.0, 2.05, 4.05, max_tokens=128), 2.05)
+        assert d.kind == "queue"
+        waits.append(d.predicted_wait_s)
+    assert waits == pytest.approx([0.95] * 4)

@@ -274,11 +274,18 @@ class Capacity:
         request runs on one replica, and the least-loaded one at that. (With the slowest, the autoscale
         what-if's day, six replicas at its peak, made 2,166 shed decisions instead of 1,669 and failed 526
         requests instead of 396.)"""
+        decode = self.est_decode(max_tokens)
+        if decode is not None:
+            return self.est_ttft() + decode
+        return (self.service or 0.0) + 2.0 * self.service_dev
+
+    def est_decode(self, max_tokens: int | None) -> float | None:
+        """Seconds from the first token to the last of a request that may produce ``max_tokens`` tokens: the
+        budgeted output (``est_output``) at the slowest of the decode speeds measured (overall, in a full
+        pool, the replicas' live mean); None before any is measured."""
         tpot = max(self.tpot or 0.0, self.tpot_full or 0.0, self.live_tpot_mean or 0.0) or None
         out = self.est_output(max_tokens)
-        if tpot is not None and out:
-            return self.est_ttft() + tpot * max(0, out - 1)
-        return (self.service or 0.0) + 2.0 * self.service_dev
+        return tpot * max(0, out - 1) if tpot is not None and out else None
 
     def est_output(self, max_tokens: int | None) -> int | None:
         """Completion tokens a request that may produce ``max_tokens`` should budget for: ``max_tokens``, or
