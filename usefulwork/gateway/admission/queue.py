@@ -44,10 +44,10 @@ it: clients told a Retry-After come back within that, so such a place's client i
 place is still kept for its grace, and learnt as not taken back when that ends).
 The drain is a fluid, but where even the first place a request could take frees later than its
 budget can wait (a pool full of requests that started together), the drain starts from that place;
-and no place is promised before the slot model (requests in flight end in the order they started,
-each a service time after its start) frees the place behind every promised one, less the share of the
-TTFT budget a returning retry may queue for: a pool refilled in a clump frees nothing for a whole
-service time.
+and no place is promised before the slot model frees the place behind every promised one, less the
+share of the TTFT budget a returning retry may queue for: a pool refilled in a clump frees nothing for
+a whole service time. (The slot model: a stream whose first token was sent ends its decode after it,
+any other request a slot's hold after its start, and a slot taken again is held for another.)
 A retry that takes its place back queues by when the place was promised (``Ticket.since``): behind
 the tickets that asked before (its Retry-After counted them), ahead of its tenant's newer work (which
 counted its place as work ahead).
