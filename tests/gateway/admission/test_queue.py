@@ -1337,7 +1337,6 @@ def test_the_tail_window_gives_the_kth_largest_of_the_last_values_as_a_full_sort
             assert len(w) == 0
 
 
-
 def test_a_streams_slot_is_priced_from_its_first_token_plus_its_decode():
     """vLLM runs a burst's prefills before the running sequences' next tokens: four requests admitted
     over 1.5 s get their first tokens together at 2 s and, with 1 s of decode each, end together at 3 s.

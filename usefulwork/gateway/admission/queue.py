@@ -336,36 +336,36 @@ class PoolQueue:
 
     def _slot_free_in(self, position: int, now: float, free: int = 0) -> float:
         """When the ``position``-th slot beyond the ``free`` ones frees: each request in flight ends when
-        expected (``_expected_end``), a free slot is taken now, and a slot taken again is held for another
+        expected (below), a free slot is taken now, and a slot taken again is held for another
         service time (plus two mean deviations of margin). Continuous batching releases in clumps
         (requests admitted together finish together): a fluid drain rate would promise slots that come
         later. (Cycling only the slots running now, a place deep in a queue of promised retries cost a
         whole slot hold per place when few ran: the real CPU vLLM, limit 2 with one running while the
         prefill gate held the other, told 35 s more per shed.)"""
         service = self.capacity.slot_hold()
-        decode: dict[int | None, float | None] = {}
-        ends = sorted(self._expected_end(x, service, decode) for x in self.running)  # then the ``free`` slots, taken now
+        decode: dict[int | None, float | None] = {}  # per ``max_tokens``: one estimate per call
+        ends = []  # then the ``free`` slots, taken now
+        for x in self.running:  # (inline: this runs for every queued or shed request in a full pool)
+            # A stream whose first token was sent ends its decode after it; anything else a slot's hold
+            # (``service``, which carries a margin for the unknown prefill) after its start. In a burst
+            # vLLM runs the new prompts' prefills before the running sequences' next tokens, so requests
+            # admitted over a second and a half ended within 0.2 s of each other, the last ones 2.4 s
+            # after they started where the first took 3.6 s. Priced from their starts, ends came 0.87 s
+            # sooner than priced on average (2.4 s at the 90th percentile; from the first token 0.59 s
+            # and 1.95 s; virtual clock, burst-retry cell, seed 1, half a second ahead): a returning
+            # retry's wait was priced past what its budget allows and it was shed again while places
+            # were about to free.
+            if x.first_token_at is not None:
+                m = x.max_tokens
+                d = decode[m] if m in decode else decode.setdefault(m, self.capacity.est_decode(m))
+                if d is not None:
+                    ends.append(x.first_token_at + d)
+                    continue
+            ends.append(x.admitted_at + service)  # type: ignore[operator]
+        ends.sort()
         rounds, i = divmod(position - 1, len(ends) + free)
         end = ends[i] if i < len(ends) else now + service
         return max(1e-3, end + service * rounds - now)  # overdue: any moment (not "now": no slot is free)
-
-    def _expected_end(self, t: Ticket, service: float, decode: dict[int | None, float | None]) -> float:
-        """When running ``t`` should end: a stream whose first token was sent, that token's time plus its
-        decode (``Capacity.est_decode``, kept in ``decode`` per ``max_tokens``); otherwise its start plus a
-        slot's hold (``service``, which carries a margin for the unknown prefill). In a burst vLLM runs
-        the new prompts' prefills before the running sequences' next tokens, so requests admitted over a
-        second and a half ended within 0.2 s of each other, the last ones 2.4 s after they started where
-        the first took 3.6 s. Priced from their starts, ends came 0.87 s sooner than priced on average
-        (2.4 s at the 90th percentile; from the first token 0.59 s and 1.95 s; virtual clock, burst-retry
-        cell, seed 1, half a second ahead): a returning retry's wait was priced past what its budget
-        allows and it was shed again while places were about to free."""
-        if t.first_token_at is not None:
-            if t.max_tokens not in decode:
-                decode[t.max_tokens] = self.capacity.est_decode(t.max_tokens)
-            d = decode[t.max_tokens]
-            if d is not None:
-                return t.first_token_at + d
-        return t.admitted_at + service  # type: ignore[operator]
 
     def ttft_budget(self, t: Ticket, now: float) -> float:
         """How long ``t`` may wait and still meet its TTFT deadline (the E2E SLO aside)."""
