@@ -1360,3 +1360,25 @@ def test_a_streams_slot_is_priced_from_its_first_token_plus_its_decode():
         assert d.kind == "queue"
         waits.append(d.predicted_wait_s)
     assert waits == pytest.approx([0.95] * 4)
+
+
+def test_the_slot_models_ends_follow_first_tokens_admits_releases_and_the_decode_estimate():
+    """The slot model's sorted ends are kept between calls (in a full pool nothing starts between sheds),
+    so each change that moves an end must be seen: a first token, a start, an end, a slower decode."""
+    q = make_queue(limit=2, service_s=2.5)
+    q.capacity.service_dev = 0.2  # a slot is held 2.9 s from its start
+    q.capacity.tpot = 1.0 / 127  # 1 s of decode for 128 tokens
+    a, b = (Ticket("a", 0, 640.0, at, at + 2.0, max_tokens=128) for at in (0.0, 0.5))
+    assert q.offer(a, 0.0).kind == "admit" and q.offer(b, 0.5).kind == "admit"
+
+    def wait(now: float) -> float:
+        return q.predict_wait(Ticket("a", 0, 640.0, now, now + 2.0, max_tokens=128), now)
+
+    assert wait(1.0) == pytest.approx(1.9)  # a's slot, from its start: 0 + 2.9
+    q.first_token(a, 1.0)
+    assert wait(1.0) == pytest.approx(1.0)  # a's first token + 1 s of decode
+    q.capacity.tpot = 2.0 / 127
+    assert wait(1.0) == pytest.approx(2.0)  # the decode slowed: 2 s
+    q.release(a, 1.2)
+    assert q.offer(Ticket("a", 0, 640.0, 1.2, 3.2, max_tokens=128), 1.2).kind == "admit"
+    assert wait(1.2) == pytest.approx(2.2)  # b's slot now: 0.5 + 2.9

@@ -283,9 +283,15 @@ class Capacity:
         """Seconds from the first token to the last of a request that may produce ``max_tokens`` tokens: the
         budgeted output (``est_output``) at the slowest of the decode speeds measured (overall, in a full
         pool, the replicas' live mean); None before any is measured."""
-        tpot = max(self.tpot or 0.0, self.tpot_full or 0.0, self.live_tpot_mean or 0.0) or None
+        tpot = self.decode_terms()[0]
         out = self.est_output(max_tokens)
         return tpot * max(0, out - 1) if tpot is not None and out else None
+
+    def decode_terms(self) -> tuple[float | None, int | None]:
+        """What ``est_decode`` depends on: the decode speed it counts (None before any is measured) and the
+        cap ``est_output`` puts on ``max_tokens`` (None before 20 answers)."""
+        tpot = max(self.tpot or 0.0, self.tpot_full or 0.0, self.live_tpot_mean or 0.0) or None
+        return tpot, (None if len(self.recent_out) < 20 else int(self.tail(self.recent_out)))  # type: ignore[arg-type]
 
     def est_output(self, max_tokens: int | None) -> int | None:
         """Completion tokens a request that may produce ``max_tokens`` should budget for: ``max_tokens``, or

@@ -167,6 +167,8 @@ class PoolQueue:
     _seq: Any = field(default_factory=itertools.count)
     _now: float = 0.0  # the time of the call in progress (every entry point takes ``now``)
     _active: tuple[float, float] = (math.nan, 0.0)  # (time, total weight of the active tenants) cache
+    _run_ver: int = 0  # bumped when ``running`` or a running ticket's first token changes (``_slot_free_in``'s cache)
+    _ends: tuple[Any, list[float]] = (None, [])  # (key, the sorted expected ends of what runs) cache
 
     # -- the decision --
     def free(self, cls: int, tenant: str | None = None) -> int:
@@ -336,36 +338,56 @@ class PoolQueue:
 
     def _slot_free_in(self, position: int, now: float, free: int = 0) -> float:
         """When the ``position``-th slot beyond the ``free`` ones frees: each request in flight ends when
-        expected (below), a free slot is taken now, and a slot taken again is held for another
+        expected (``_expected_ends``), a free slot is taken now, and a slot taken again is held for another
         service time (plus two mean deviations of margin). Continuous batching releases in clumps
         (requests admitted together finish together): a fluid drain rate would promise slots that come
         later. (Cycling only the slots running now, a place deep in a queue of promised retries cost a
         whole slot hold per place when few ran: the real CPU vLLM, limit 2 with one running while the
         prefill gate held the other, told 35 s more per shed.)"""
         service = self.capacity.slot_hold()
-        decode: dict[int | None, float | None] = {}  # per ``max_tokens``: one estimate per call
-        ends = []  # then the ``free`` slots, taken now
-        for x in self.running:  # (inline: this runs for every queued or shed request in a full pool)
-            # A stream whose first token was sent ends its decode after it; anything else a slot's hold
-            # (``service``, which carries a margin for the unknown prefill) after its start. In a burst
-            # vLLM runs the new prompts' prefills before the running sequences' next tokens, so requests
-            # admitted over a second and a half ended within 0.2 s of each other, the last ones 2.4 s
-            # after they started where the first took 3.6 s. Priced from their starts, ends came 0.87 s
-            # sooner than priced on average (2.4 s at the 90th percentile; from the first token 0.59 s
-            # and 1.95 s; virtual clock, burst-retry cell, seed 1, half a second ahead): a returning
-            # retry's wait was priced past what its budget allows and it was shed again while places
-            # were about to free.
-            if x.first_token_at is not None:
+        tpot, out = self.capacity.decode_terms()
+        key = (self._run_ver, service, tpot, out)
+        if self._ends[0] == key:  # nothing started, ended or sent its first token; no estimate moved
+            ends = self._ends[1]
+        else:
+            ends = self._expected_ends(service, tpot, out)
+            self._ends = (key, ends)
+        rounds, i = divmod(position - 1, len(ends) + free)
+        end = ends[i] if i < len(ends) else now + service
+        return max(1e-3, end + service * rounds - now)  # overdue: any moment (not "now": no slot is free)
+
+    def _expected_ends(self, service: float, tpot: float | None, out: int | None) -> list[float]:
+        """When each request in flight is expected to end, sorted (``_slot_free_in``; ``tpot`` and ``out``
+        as ``Capacity.decode_terms`` gives them).
+
+        A stream whose first token was sent ends its decode after it; anything else a slot's hold
+        (``service``, which carries a margin for the unknown prefill) after its start. In a burst vLLM runs
+        the new prompts' prefills before the running sequences' next tokens, so requests admitted over a
+        second and a half ended within 0.2 s of each other, the last ones 2.4 s after they started where
+        the first took 3.6 s. Priced from their starts, ends came 0.87 s sooner than priced on average
+        (2.4 s at the 90th percentile; from the first token 0.59 s and 1.95 s; virtual clock, burst-retry
+        cell, seed 1, half a second ahead): a returning retry's wait was priced past what its budget allows
+        and it was shed again while places were about to free.
+
+        (Cached by the caller until a request starts, ends or sends its first token, or an estimate moves:
+        in a full pool nothing starts between sheds, and each shed asked this three times, each time
+        looping over every request in flight, 103 us with 500 of them.)"""
+        decode: dict[int | None, float | None] = {}  # per ``max_tokens``
+        ends = []
+        for x in self.running:
+            if x.first_token_at is not None and tpot is not None:
                 m = x.max_tokens
-                d = decode[m] if m in decode else decode.setdefault(m, self.capacity.est_decode(m))
+                if m in decode:
+                    d = decode[m]
+                else:
+                    n = m if m is None or out is None else min(m, out)
+                    d = decode[m] = tpot * max(0, n - 1) if n else None
                 if d is not None:
                     ends.append(x.first_token_at + d)
                     continue
             ends.append(x.admitted_at + service)  # type: ignore[operator]
         ends.sort()
-        rounds, i = divmod(position - 1, len(ends) + free)
-        end = ends[i] if i < len(ends) else now + service
-        return max(1e-3, end + service * rounds - now)  # overdue: any moment (not "now": no slot is free)
+        return ends
 
     def ttft_budget(self, t: Ticket, now: float) -> float:
         """How long ``t`` may wait and still meet its TTFT deadline (the E2E SLO aside)."""
@@ -612,6 +634,7 @@ class PoolQueue:
         self.inflight_cls[t.cls] += 1
         self.inflight_tenant[t.tenant] = self.inflight_tenant.get(t.tenant, 0) + 1
         self.running.add(t)
+        self._run_ver += 1
         self.admitted_total += 1
         self._start_prefill(t, now)
         w = self.weight_of(t.tenant)
@@ -731,6 +754,7 @@ class PoolQueue:
         else:
             self.inflight_tenant.pop(t.tenant, None)
         self.running.discard(t)
+        self._run_ver += 1
         if t.prefilling:
             self._end_prefill(t)
         if actual_tokens is not None:
@@ -791,6 +815,7 @@ class PoolQueue:
         if not t.prefilling or t.state != "admitted":
             return []
         t.first_token_at = now
+        self._run_ver += 1
         self._end_prefill(t)
         if self.prefill_pending(t.cls, t.tenant) is not None:  # (a class the gate counts)
             self.capacity.observe_first_token(now - t.admitted_at, t.prefill_ahead, t.inflight_at_admit, t.max_tokens)
