@@ -1382,3 +1382,23 @@ def test_the_slot_models_ends_follow_first_tokens_admits_releases_and_the_decode
     q.release(a, 1.2)
     assert q.offer(Ticket("a", 0, 640.0, 1.2, 3.2, max_tokens=128), 1.2).kind == "admit"
     assert wait(1.2) == pytest.approx(2.2)  # b's slot now: 0.5 + 2.9
+
+
+def test_a_retry_shed_again_keeps_its_turn_behind_only_the_places_promised_before_its_own():
+    """In an overload longer than a burst, a retry that comes back to a pool still full is shed again: its
+    new Retry-After counts the places promised before its own, not those promised to the requests shed
+    after it. (Sent to the back of the line each round, the line grew with every round: 1.6 -> 11 s of
+    Retry-After on the autoscale what-if's day.)"""
+    q = make_queue(limit=2, service_s=5.0)
+    for i, at in enumerate((0.0, 0.05)):
+        assert q.offer(Ticket("a", 0, 640.0, at, at + 2.0, key=100 + i), at).kind == "admit"
+    first = q.offer(Ticket("a", 0, 640.0, 0.1, 0.6, key=1), 0.1)  # a short deadline: shed at once
+    assert first.kind == "shed"
+    for i in range(5):  # shed after it: their places come after its own
+        assert q.offer(Ticket("a", 0, 640.0, 0.2, 0.7, key=2 + i), 0.2).kind == "shed"
+    back = 0.1 + first.retry_after_s
+    again = q.offer(Ticket("a", 0, 640.0, back, back + 0.5, key=1), back)  # the pool is still full
+    new = q.offer(Ticket("a", 0, 640.0, back, back + 0.5, key=50), back)
+    assert again.kind == "shed" and new.kind == "shed"
+    assert again.retry_after_s < first.retry_after_s  # nothing promised before it is still ahead of it
+    assert again.retry_after_s < new.retry_after_s - 5.0  # the five places promised after it are not
