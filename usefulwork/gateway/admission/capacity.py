@@ -84,6 +84,17 @@ class Sample:
     completion: int | None = None  # its completion tokens (None: the backend did not count them)
 
 
+def _capped(max_tokens: int | None, cap: int | None) -> int | None:
+    return max_tokens if max_tokens is None or cap is None else min(max_tokens, cap)
+
+
+def decode_time(tpot: float | None, cap: int | None, max_tokens: int | None) -> float | None:
+    """Seconds from the first token to the last of a request that may produce ``max_tokens`` tokens, at
+    ``tpot`` a token, its output capped at ``cap`` (``Capacity.decode_terms``); None where either is unknown."""
+    out = _capped(max_tokens, cap)
+    return tpot * max(0, out - 1) if tpot is not None and out else None
+
+
 class Capacity:
     """The adaptive in-flight limits and the service-time estimates of one pool."""
 
@@ -283,15 +294,12 @@ class Capacity:
         """Seconds from the first token to the last of a request that may produce ``max_tokens`` tokens: the
         budgeted output (``est_output``) at the slowest of the decode speeds measured (overall, in a full
         pool, the replicas' live mean); None before any is measured."""
-        tpot = self.decode_terms()[0]
-        out = self.est_output(max_tokens)
-        return tpot * max(0, out - 1) if tpot is not None and out else None
+        return decode_time(*self.decode_terms(), max_tokens)
 
     def decode_terms(self) -> tuple[float | None, int | None]:
         """What ``est_decode`` depends on: the decode speed it counts (None before any is measured) and the
-        cap ``est_output`` puts on ``max_tokens`` (None before 20 answers)."""
-        tpot = max(self.tpot or 0.0, self.tpot_full or 0.0, self.live_tpot_mean or 0.0) or None
-        return tpot, (None if len(self.recent_out) < 20 else int(self.tail(self.recent_out)))  # type: ignore[arg-type]
+        cap ``est_output`` puts on ``max_tokens`` (``_output_cap``)."""
+        return max(self.tpot or 0.0, self.tpot_full or 0.0, self.live_tpot_mean or 0.0) or None, self._output_cap()
 
     def est_output(self, max_tokens: int | None) -> int | None:
         """Completion tokens a request that may produce ``max_tokens`` should budget for: ``max_tokens``, or
@@ -299,9 +307,11 @@ class Capacity:
         where that is less. Many clients send a large ``max_tokens`` they never use: priced at 4,096
         tokens, such a request could never queue under a 5 s E2E SLO and was shed whenever the pool was
         full, while its answers, like everyone's, took 200."""
-        if max_tokens is None or len(self.recent_out) < 20:
-            return max_tokens
-        return min(max_tokens, int(self.tail(self.recent_out)))
+        return _capped(max_tokens, self._output_cap())
+
+    def _output_cap(self) -> int | None:
+        """The tail of the pool's recent answers' completion tokens (None before 20 answers)."""
+        return None if len(self.recent_out) < 20 else int(self.tail(self.recent_out))  # type: ignore[arg-type]
 
     # -- writes --
     def judge_live(self, now: float, inflight: int) -> None:

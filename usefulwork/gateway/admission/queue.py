@@ -69,7 +69,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
-from usefulwork.gateway.admission.capacity import Capacity, Sample
+from usefulwork.gateway.admission.capacity import Capacity, Sample, decode_time
 from usefulwork.gateway.tenants import PRIORITIES
 
 DecisionKind = Literal["admit", "queue", "shed"]
@@ -378,11 +378,7 @@ class PoolQueue:
         for x in self.running:
             if x.first_token_at is not None and tpot is not None:
                 m = x.max_tokens
-                if m in decode:
-                    d = decode[m]
-                else:
-                    n = m if m is None or out is None else min(m, out)
-                    d = decode[m] = tpot * max(0, n - 1) if n else None
+                d = decode[m] if m in decode else decode.setdefault(m, decode_time(tpot, out, m))
                 if d is not None:
                     ends.append(x.first_token_at + d)
                     continue
