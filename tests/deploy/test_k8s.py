@@ -186,9 +186,12 @@ def test_vllm_autoscalers_scale_on_the_gateway_queue_with_the_seed_windows():
     source = (ROOT / "usefulwork/gateway/admission/filter.py").read_text()
     assert '"usefulwork.admission.queue.depth"' in source
     assert "usefulwork_admission_queue_depth" in rule["seriesQuery"]
-    assert "vllm:num_requests_(running|waiting)" in rule["metricsQuery"]  # the what-if's metric: queued + held
+    assert '"usefulwork.admission.shed.demand"' in source
+    assert "vllm:num_requests_(running|waiting)" in rule["metricsQuery"]  # the what-if's metric: queued + shed + held
+    assert "usefulwork_admission_shed_demand{<<.LabelMatchers>>}" in rule["metricsQuery"]
     trig = so["spec"]["triggers"][0]
-    for series in ('usefulwork_admission_queue_depth{pool="llama-8b"}', 'vllm:num_requests_running{model_name="llama-3.1-8b"}',
+    for series in ('usefulwork_admission_queue_depth{pool="llama-8b"}', 'usefulwork_admission_shed_demand{pool="llama-8b"}',
+                   'vllm:num_requests_running{model_name="llama-3.1-8b"}',
                    'vllm:num_requests_waiting{model_name="llama-3.1-8b"}'):
         assert series in trig["metadata"]["query"]
     # the same per-replica target either way, and the one the what-if ran with

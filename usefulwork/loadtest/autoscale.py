@@ -12,8 +12,9 @@ for up to ``grace_s``. Compared policies (``POLICIES``):
 - ``hpa-vllm-queue``: the seed's HPA: vLLM's own queue (``vllm:num_requests_waiting``, average 50 per
   pod), 2..8 pods, the seed's windows (60 s up, 2 pods / 120 s; 300 s down);
 - ``hpa-gateway-queue``: the gateway's admission filter on, and the same HPA bounds and windows on the
-  gateway's view of the pool: ``usefulwork_admission_queue_depth`` (queued at the gateway) plus the
-  requests the pool is serving (``vllm:num_requests_running``), per pod; the query deploy/k8s/ uses.
+  gateway's view of the pool: ``usefulwork_admission_queue_depth`` (queued at the gateway) plus
+  ``usefulwork_admission_shed_demand`` (shed within the last service time) plus the requests the pool
+  is serving (``vllm:num_requests_running``), per pod; the query deploy/k8s/ uses.
 
 With admission on, requests go through the admission filter's own queue and capacity objects
 (usefulwork/gateway/admission/queue.py ``PoolQueue`` and capacity.py ``Capacity``, which take ``now``),
@@ -278,8 +279,10 @@ class Simulation:
         queued = float(self.queue.queued)
         if m == "gateway-queue-only":
             return queued
-        return queued + sum(r.engine.num_running + r.engine.num_waiting for r in self.replicas
-                            if r.gone_at is None and r.ready_at <= self.now)
+        # (+ the demand admission shed, as requests in flight: docs/deploy.md)
+        return queued + self.queue.shed_demand(self.now) + sum(r.engine.num_running + r.engine.num_waiting
+                                                               for r in self.replicas
+                                                               if r.gone_at is None and r.ready_at <= self.now)
 
     def _autoscale(self) -> None:
         live = sum(1 for r in self.replicas if r.removed_at is None)

@@ -1402,3 +1402,46 @@ def test_a_retry_shed_again_keeps_its_turn_behind_only_the_places_promised_befor
     assert again.kind == "shed" and new.kind == "shed"
     assert again.retry_after_s < first.retry_after_s  # nothing promised before it is still ahead of it
     assert again.retry_after_s < new.retry_after_s - 5.0  # the five places promised after it are not
+
+
+def test_the_decode_speed_is_priced_at_the_load_now_from_the_tpot_measured_per_load():
+    """The overall TPOT is from the quiet spell before a burst and the full pool's is learnt only from
+    answers admitted and ended at 90% of the limit in force: a burst whose limit grows as it fills was
+    priced at the quiet spell's decode speed. Answers measured at a few loads give a line, read at the
+    requests in flight per replica now."""
+    q = make_queue(limit=40, service_s=None)
+    cap = q.capacity
+    assert cap.tpot_at(10.0) is None  # nothing measured yet
+    for _ in range(30):  # a quiet spell: 2 in flight, 12 ms a token
+        cap.observe(Sample(ttft=0.1, tpot=0.012, service=1.7, tokens=640, ok=True, inflight_at_admit=1, inflight_at_end=1), 1.0)
+    assert cap.tpot_at(10.0) is None  # one load band: no slope yet
+    for _ in range(3):  # a few answers at 20 in flight, 19 ms a token
+        cap.observe(Sample(ttft=0.2, tpot=0.019, service=2.6, tokens=640, ok=True, inflight_at_admit=19, inflight_at_end=19), 2.0)
+    assert cap.tpot_at(2.0) == pytest.approx(0.012, abs=1e-3) and cap.tpot_at(20.0) == pytest.approx(0.019, abs=1e-3)
+    assert cap.tpot_at(40.0) == pytest.approx(0.026, abs=2e-3)  # the line, beyond what was measured
+    assert cap.tpot == pytest.approx(0.0135, abs=1e-3)  # the overall mean: the quiet spell's
+    q.capacity.judge_live(3.0, 2)  # 2 in flight now: priced as the overall mean says
+    quiet = cap.est_decode(128)
+    assert quiet == pytest.approx(cap.tpot * 127)
+    q.capacity.judge_live(3.0, 40)  # the pool filled: priced at the load now
+    assert cap.est_decode(128) == pytest.approx(cap.tpot_at(40.0) * 127)
+    assert cap.est_decode(128) > 1.8 * quiet
+
+
+def test_shed_demand_counts_each_request_shed_within_the_last_service_time_once():
+    """An autoscaler on queued + running requests sees less demand the more admission sheds; the requests
+    shed within the last service time are the demand turned away, as requests in flight (Little's law).
+    A retry shed again is the same demand."""
+    q = make_queue(limit=2, service_s=1.0)
+    q.return_prior = 1.0
+    assert [q.offer(ticket(0.0), 0.0).kind for _ in range(2)] == ["admit"] * 2
+    tickets = [ticket(0.0, deadline_s=0.5) for _ in range(3)]
+    for i, t in enumerate(tickets):
+        t.key = i + 1
+    assert [q.offer(t, 0.0).kind for t in tickets] == ["shed"] * 3
+    assert q.shed_demand(0.5) == 3 and q.shed_demand(0.5, prune=False) == 3
+    retry = ticket(0.6, deadline_s=0.5)
+    retry.key = 1  # the first one's retry, before a slot frees: shed again
+    assert q.offer(retry, 0.6).kind == "shed" and retry.sheds == 1
+    assert q.shed_demand(0.7) == 3  # the same demand, not a fourth request
+    assert q.shed_demand(1.2, prune=False) == 0 and q.shed_demand(1.2) == 0  # older than a service time (1 s)

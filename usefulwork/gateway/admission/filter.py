@@ -14,7 +14,9 @@ sent (with the final usage in ``call.ctx``, which also settles the tenant's toke
 in ``finally`` when ``next`` raised or the client left while queued. Decisions go into the ledger
 record (``ctx.priority``, ``ctx.admission``, ``ctx.queue_ms``, ``ctx.shed_reason``) and into OTel:
 ``usefulwork.admission.queue.depth`` (pool, priority), ``usefulwork.admission.queue.wait``,
-``usefulwork.admission.sheds`` (pool, priority, reason), ``usefulwork.admission.limit`` (pool).
+``usefulwork.admission.sheds`` (pool, priority, reason), ``usefulwork.admission.limit`` (pool),
+``usefulwork.admission.shed.demand`` (pool: the requests shed within the last service time, which an
+autoscaler adds to the queued and running ones).
 """
 
 from __future__ import annotations
@@ -119,11 +121,18 @@ class AdmissionFilter:
             return [Observation(n, {"pool": name, "priority": p})
                     for name, q in self.queues.items() for p, n in q.depth().items()]
 
+        def shed_demand(_options):
+            now = self.clock()
+            return [Observation(q.shed_demand(now, prune=False), {"pool": name}) for name, q in self.queues.items()]
+
         def limit(_options):
             return [Observation(q.capacity.current(), {"pool": name}) for name, q in self.queues.items()]
 
         meter.create_observable_gauge("usefulwork.admission.queue.depth", [depth], unit="{request}",
                                       description="Requests waiting in the gateway's admission queue.")
+        meter.create_observable_gauge("usefulwork.admission.shed.demand", [shed_demand], unit="{request}",
+                                      description="Requests shed for the first time within the last service time: "
+                                                  "the demand admission turned away, as requests in flight.")
         meter.create_observable_gauge("usefulwork.admission.limit", [limit], unit="{request}",
                                       description="The adaptive in-flight limit of each pool.")
         self._wait_hist = meter.create_histogram("usefulwork.admission.queue.wait", unit="s",

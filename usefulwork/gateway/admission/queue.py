@@ -170,6 +170,7 @@ class PoolQueue:
     _active: tuple[float, float] = (math.nan, 0.0)  # (time, total weight of the active tenants) cache
     _run_ver: int = 0  # bumped when ``running`` or a running ticket's first token changes (``_slot_free_in``'s cache)
     _ends: tuple[Any, list[float]] = (None, [])  # (key, the sorted expected ends of what runs) cache
+    _shed_at: deque[float] = field(default_factory=deque)  # when requests were shed the first time (``shed_demand``)
 
     # -- the decision --
     def free(self, cls: int, tenant: str | None = None) -> int:
@@ -468,6 +469,7 @@ class PoolQueue:
         t.state = "shed"
         t.shed_reason = reason
         self.shed_total[reason] = self.shed_total.get(reason, 0) + 1
+        self._note_shed(t, now)
         t.retry_after_s = self._retry_after(t, now)
         return Decision("shed", reason, predicted_wait_s=wait, retry_after_s=t.retry_after_s)
 
@@ -738,7 +740,30 @@ class PoolQueue:
         t.state = "shed"
         t.shed_reason = reason
         self.shed_total[reason] = self.shed_total.get(reason, 0) + 1
+        self._note_shed(t, now)
         t.retry_after_s = self._retry_after(t, now)
+
+    def _note_shed(self, t: Ticket, now: float) -> None:
+        if not t.sheds:  # (a retry shed again is the same demand)
+            self._shed_at.append(now)
+            self.shed_demand(now)  # (pruned here too: nothing may read it)
+
+    def shed_demand(self, now: float, prune: bool = True) -> int:
+        """The demand admission turned away, as requests in flight: the requests shed for the first time
+        within the last service time (Little's law: each would have held a slot that long). An autoscaler
+        that counts only what is queued and running sees less demand the more admission sheds: in the
+        autoscale what-if's day (seed 2, with the decode speed by load) the pool shed where it had queued,
+        the HPA on queue + running added its fourth replica two minutes later, and for 100 s every new
+        request was shed behind a pile of promised retries (attainment 74.9%; 98.9% with this counted:
+        docs/benchmarks.md section 7, session 34). Exported as ``usefulwork.admission.shed.demand``."""
+        since = now - (self.capacity.service or self.e2e_slo_s or 1.0)
+        d = self._shed_at
+        if not prune:  # (another thread's read, an exporter's: a copy, as the event loop may be appending)
+            times = list(d)
+            return len(times) - bisect.bisect_left(times, since)
+        while d and d[0] < since:
+            d.popleft()
+        return len(d)
 
     def cancel(self, t: Ticket) -> None:
         """The client left while ``t`` was queued."""
