@@ -1426,6 +1426,7 @@ def test_the_decode_speed_is_priced_at_the_load_now_from_the_tpot_measured_per_l
     q.capacity.judge_live(3.0, 40)  # the pool filled: priced at the load now
     assert cap.est_decode(128) == pytest.approx(cap.tpot_at(40.0) * 127)
     assert cap.est_decode(128) > 1.8 * quiet
+    assert cap.stats()["tpot_at_load_s"] == pytest.approx(cap.tpot_at(40.0)) and cap.stats()["load_now"] == 40.0
 
 
 def test_shed_demand_counts_each_request_shed_within_the_last_service_time_once():

@@ -663,7 +663,7 @@ class Capacity:
         return {"limit": self.current(), "fill_limit": self.fill(), "replicas": self.count(),
                 "limit_per_replica": round(self.limit, 2), "fill_per_replica": round(self.batch_limit, 2),
                 "service_s": self.service, "service_ttft_s": self.svc_ttft, "interactive_service_s": self.inter_service, "tpot_s": self.tpot, "tpot_full_s": self.tpot_full,
-                "live_tpot_s": self.live_tpot, "live_tpot_mean_s": self.live_tpot_mean, "live_decreases": self.live_decreases,
+                "live_tpot_s": self.live_tpot, "tpot_at_load_s": self.tpot_at(self.load_now), "load_now": self.load_now, "live_tpot_mean_s": self.live_tpot_mean, "live_decreases": self.live_decreases,
                 "service_tail_s": self.tail(self.recent_e2e), "service_ttft_tail_s": self.tail(self.recent_ttft),
                 "drain_per_s": self.drain_rate(), "kv_cap": self.kv_cap(), "saturated": self.saturated(),
                 "samples": self.samples, "decreases": self.decreases, "fill_decreases": self.batch_decreases,
