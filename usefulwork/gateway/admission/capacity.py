@@ -344,13 +344,17 @@ class Capacity:
             self.load_bands[band] = (x + LOAD_EWMA * (load - x), y + LOAD_EWMA * (s.tpot - y), k + 1)  # type: ignore[operator]
         if len(self.load_bands) < 2:
             return
-        pts = [(min(k, LOAD_BAND_WEIGHT), x, y) for x, y, k in self.load_bands.values()]
-        w = sum(p[0] for p in pts)
-        mx = sum(k * x for k, x, _ in pts) / w
-        my = sum(k * y for k, _, y in pts) / w
-        sxx = sum(k * (x - mx) ** 2 for k, x, _ in pts)
-        if sxx > 0:
-            self._load_line = (mx, my, sum(k * (x - mx) * (y - my) for k, x, y in pts) / sxx)
+        # (one pass: this runs as each answer ends; bands are a quarter octave apart, so sxx is not ~0)
+        w = sx = sy = sxx = sxy = 0.0
+        for x, y, k in self.load_bands.values():
+            k = min(k, LOAD_BAND_WEIGHT)
+            w += k
+            sx += k * x
+            sy += k * y
+            sxx += k * x * x
+            sxy += k * x * y
+        mx, my = sx / w, sy / w
+        self._load_line = (mx, my, (sxy - sx * my) / (sxx - sx * mx))
 
     def est_output(self, max_tokens: int | None) -> int | None:
         """Completion tokens a request that may produce ``max_tokens`` should budget for: ``max_tokens``, or
