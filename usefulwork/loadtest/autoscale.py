@@ -148,7 +148,7 @@ def policies(day: Day, fleet: Fleet) -> list[Policy]:
         Policy("hpa-vllm-queue", f"the seed's HPA: vllm:num_requests_waiting, averageValue "
                f"{SEED_VLLM_QUEUE_TARGET:g}, {fleet.min_replicas}..{fleet.max_replicas}", metric="vllm-queue",
                target=SEED_VLLM_QUEUE_TARGET),
-        Policy("hpa-gateway-queue", f"admission on; HPA on the gateway's queue + running per pool, averageValue "
+        Policy("hpa-gateway-queue", f"admission on; HPA on the gateway's queue + shed demand + running per pool, averageValue "
                f"{GATEWAY_QUEUE_TARGET:g}, same bounds and windows", metric="gateway-queue",
                target=GATEWAY_QUEUE_TARGET, admission=True),
     ]
