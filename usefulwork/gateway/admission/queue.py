@@ -466,12 +466,18 @@ class PoolQueue:
         return out
 
     def _shed(self, t: Ticket, reason: str, wait: float, now: float) -> Decision:
+        self._mark_shed(t, reason, now)
+        return Decision("shed", reason, predicted_wait_s=wait, retry_after_s=t.retry_after_s)
+
+    def _mark_shed(self, t: Ticket, reason: str, now: float) -> None:
+        """Shed ``t`` (at arrival, or from the queue): count it, note its demand, tell it when to come back."""
         t.state = "shed"
         t.shed_reason = reason
         self.shed_total[reason] = self.shed_total.get(reason, 0) + 1
-        self._note_shed(t, now)
+        if not t.sheds:  # (a retry shed again is the same demand)
+            self._shed_at.append(now)
+            self.shed_demand(now)  # (pruned here too: nothing may read it)
         t.retry_after_s = self._retry_after(t, now)
-        return Decision("shed", reason, predicted_wait_s=wait, retry_after_s=t.retry_after_s)
 
     def _retry_after(self, t: Ticket, now: float) -> float:
         """When the retry of shed ``t`` fits; its place is held for it then (a reservation).
@@ -737,16 +743,7 @@ class PoolQueue:
         burst-retry cell's 12 clients dropped at their latest start were told 0.59 s, came back into the
         same full pool, and every one was shed again on its first retry.)"""
         self._remove(t)
-        t.state = "shed"
-        t.shed_reason = reason
-        self.shed_total[reason] = self.shed_total.get(reason, 0) + 1
-        self._note_shed(t, now)
-        t.retry_after_s = self._retry_after(t, now)
-
-    def _note_shed(self, t: Ticket, now: float) -> None:
-        if not t.sheds:  # (a retry shed again is the same demand)
-            self._shed_at.append(now)
-            self.shed_demand(now)  # (pruned here too: nothing may read it)
+        self._mark_shed(t, reason, now)
 
     def shed_demand(self, now: float, prune: bool = True) -> int:
         """The demand admission turned away, as requests in flight: the requests shed for the first time
