@@ -521,39 +521,51 @@ def test_live_decode_speed_cuts_the_limit_before_any_request_ends():
 def test_a_bursts_prefills_are_judged_at_a_full_pools_turnover_not_at_the_bursts_peak(caplog):
     """While a burst's prompts are prefilled, every running token waits for them: the live figure is the
     peak's. Once the pool is full, prompts come only as slots free, so an admitted request sees a full
-    pool's turnover of prefills over its life. (On the real CPU vLLM two live cuts took the limit from 27
-    to 14.6 in a burst whose admitted answers decoded at 77-100 ms against the 112 ms target.)"""
+    pool's turnover of prefills over its life: the limit's prompts, spread over its tokens. (On the real
+    CPU vLLM two live cuts took the limit from 27 to 14.6 in a burst whose admitted answers decoded at
+    77-100 ms against the 112 ms target.)"""
     class R:
         healthy = True
         scrapes = 0
         itl_live = None
 
-    def burst(itl: float, prompts: int) -> Capacity:
+    def burst(itl: float, prompts: int, span: float = 4.0, limit: float = 20, service: float = 10.0,
+              out: float = 125.0) -> Capacity:
         r = R()
-        cap = Capacity(AdmissionCfg(initial_concurrency=20), *SLO, replicas=lambda: [r])  # TPOT target 75 ms
-        cap.service, cap.prefill_each = 10.0, 0.25  # a full pool turns over 2 prompts a second: 50% prefill
+        cap = Capacity(AdmissionCfg(initial_concurrency=limit), *SLO, replicas=lambda: [r])  # TPOT target 75 ms
+        cap.service, cap.prefill_each, cap.out_mean = service, 0.25, out
         r.scrapes = 1
         cap.judge_live(0.0, 0)
-        for i in range(prompts):  # admitted in the 4 s the next scrapes cover
-            cap.note_admit(0.1 + 3.8 * i / prompts)
+        for i in range(prompts):  # admitted in the span the next scrapes cover
+            cap.note_admit(0.1 + (span - 0.2) * i / prompts)
         r.scrapes, r.itl_live = 2, itl
-        cap.judge_live(4.0, prompts)
+        cap.judge_live(span, prompts)
         return cap
 
-    # 12 prompts in 4 s: 75% of the time on prefills; 120 ms a token read, 60 ms at the pool's turnover
+    # 12 prompts in 4 s: 75% of the time on prefills, so 30 ms of decode in a 120 ms token; a full pool
+    # of 20 brings 20 prompts (5 s) over a 125-token answer: 40 ms a token more
     cap = burst(0.12, 12)
-    assert cap.live_tpot_peak == 0.12 and cap.live_tpot == pytest.approx(0.12 * 0.25 / 0.5)
+    assert cap.live_tpot_peak == 0.12 and cap.live_tpot == pytest.approx(0.03 + 0.04)
     assert cap.limit == 20 and cap.decreases == 0
-    # a decode slow beyond the prefills' share is still cut (200 ms read: 100 ms at the turnover), and the
-    # cut's log says both
+    # a decode slow beyond the prefills' share is still cut (200 ms read: 50 + 40 ms at the turnover), and
+    # the cut's log says both
     with caplog.at_level(logging.INFO, logger="usefulwork.admission"):
         cap = burst(0.20, 12)
-    assert "live decode 100 ms a token (read 200 ms" in caplog.text
-    assert cap.live_tpot == pytest.approx(0.10) and cap.decreases == cap.live_decreases == 1
-    assert cap.limit == pytest.approx(12 * 0.75)  # from what was in flight, in proportion to 100 / 75 ms
-    # no more prompts than a full pool brings: judged as read
-    cap = burst(0.12, 6)
+    assert "live decode 90 ms a token (read 200 ms" in caplog.text
+    assert cap.live_tpot == pytest.approx(0.09) and cap.decreases == cap.live_decreases == 1
+    assert cap.limit == pytest.approx(12 / 1.2)  # from what was in flight, in proportion to 90 / 75 ms
+    # fewer prompts than a full pool brings: judged as read (never rescaled up)
+    cap = burst(0.12, 2)
     assert cap.live_tpot == 0.12 and cap.decreases == 1
+    # The full pool's turnover comes from its own hold time, not the round trip measured in the quiet
+    # before the burst (8 s here, against ~15 s for a full pool of 26 at this speed): priced with that, a
+    # full pool turned over 81% of the time on prefills, more than the burst's 67%, and the burst was
+    # judged as read. The real CPU vLLM's first burst in session 35, scaled to this test's target.
+    cap = burst(0.08, 16, span=6.0, limit=26, service=8.0, out=200.0)
+    assert cap.live_tpot == pytest.approx(0.08 / 3 + 26 * 0.25 / 200) and cap.decreases == 0
+    # a pool whose answers are short turns over fast: judged as read
+    cap = burst(0.08, 16, span=6.0, limit=26, service=8.0, out=20.0)
+    assert cap.live_tpot == 0.08 and cap.decreases == 1
 
 
 def test_under_priority_scheduling_a_slow_decode_with_batch_work_beyond_the_slo_limit_cuts_the_fill_limit():

@@ -149,6 +149,7 @@ class Capacity:
         self.service: float | None = None  # EWMA of a slot's hold time (s)
         self.service_dev: float = 0.0
         self.tokens: float | None = None  # EWMA of tokens per request
+        self.out_mean: float | None = None  # EWMA of completion tokens per answer (``_lifetime``)
         self.recent_ttft = Window(cfg.tail_window)  # the tail's window (successes)
         self.recent_e2e = Window(cfg.tail_window)
         self.recent_out = Window(cfg.tail_window)  # completion tokens of recent answers (``est_output``)
@@ -439,24 +440,32 @@ class Capacity:
         live figure is the peak's: on the real CPU vLLM (0.25 s a prompt, ~3 prompts a second) they
         stalled every running token most of the time. But once the pool is full no prompt comes faster
         than slots free, so over its life a request shares the engine with a full pool's turnover of
-        prompts (``limit / service`` a second per replica), not the burst's. With ``s`` the share of time
-        spent on prefills (prompts a second x ``prefill_time``), decode runs in the rest: the figure is
-        rescaled from the window's share (this gateway's admissions over the span of the scrapes the
-        live figure covers) to the full pool's, and only ever down (a window quieter than a full pool
-        says nothing new about the decode at the limit). Judged on the peak, two live cuts took the SLO
-        limit from 27 to 14.6 in the burst while the answers admitted there decoded at 77-100 ms a token
-        against the 112 ms target, and admission on served fewer good answers than admission off
-        (docs/benchmarks.md section 7, session 29). Needs a prefill time and a measured round trip."""
-        pe, service = self.prefill_time(), max(self.service or 0.0, self.service_full or 0.0)
-        if pe is None or not service or len(self._scrape_times) < 2:
+        prompts, not the burst's. With ``s`` the share of time spent on prefills, decode runs in the rest:
+        the figure is rescaled from the window's share (this gateway's admissions over the span of the
+        scrapes the live figure covers, x ``prefill_time``) to the full pool's, and only ever down (a
+        window quieter than a full pool says nothing new about the decode at the limit).
+
+        The full pool's share is what its own hold time gives: a request held in a full pool of ``limit``
+        slots per replica sees one turnover of the others' prompts over its life (``limit`` prefills) and
+        decodes its tokens (the mean answer's, ``out_mean``) at the step time the window shows without its
+        prefills, ``live x (1 - s_window)``. So the figure judged is ``decode + limit x prefill / tokens``.
+        (Priced with the hold time measured earlier instead, in the quiet before a burst, a full pool
+        seemed to turn over twice as fast as it could, so no burst ever looked busier than one: on the real
+        CPU vLLM a live cut took the SLO limit from 26 to 19.8 in a burst whose admitted answers decoded at
+        77-98 ms against the 112 ms target, and admission on shed 20 of 63 requests that admission off
+        served within the SLO; docs/benchmarks.md section 7, session 35.) Judged on the peak, two live cuts
+        took the SLO limit from 27 to 14.6 in a burst (session 29). Needs a prefill time, a measured round
+        trip and the answers' mean length."""
+        pe, out = self.prefill_time(), self.out_mean
+        if pe is None or not out or not self.service or len(self._scrape_times) < 2:
             return live
         span = now - self._scrape_times[0]
         if span <= 0:
             return live
         recent = len(self._admits) - bisect.bisect_right(self._admits, now - span)
         s_now = min(PREFILL_SHARE_MAX, recent / self.count() * pe / span)
-        s_full = min(PREFILL_SHARE_MAX, self.limit / service * pe)
-        return live if s_now <= s_full else live * (1.0 - s_now) / (1.0 - s_full)
+        decode = live * (1.0 - s_now)
+        return min(live, decode + self.limit * pe / out)
 
     def _live_why(self, live: float, inflight: int) -> str:
         peak = self.live_tpot_peak
@@ -550,6 +559,7 @@ class Capacity:
         self.samples += 1
         if s.completion:
             self.recent_out.append(float(s.completion))
+            self.out_mean = _ewma(self.out_mean, float(s.completion))
         if s.ttft is not None:
             if self.svc_ttft is not None:
                 self.ttft_dev = _ewma(self.ttft_dev, abs(s.ttft - self.svc_ttft))
