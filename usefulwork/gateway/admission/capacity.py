@@ -469,7 +469,8 @@ class Capacity:
 
     def _live_why(self, live: float, inflight: int) -> str:
         peak = self.live_tpot_peak
-        read = f" (read {peak * 1e3:.0f} ms, a burst's prefills judged at a full pool's)" if peak and peak > live else ""
+        read = (f" (read {peak * 1e3:.0f} ms, a burst's prefills judged at a full pool's)"
+                if peak and round(peak * 1e3) > round(live * 1e3) else "")
         return f"live decode {live * 1e3:.0f} ms a token{read} over the {self.tpot_target * 1e3:.0f} ms target, {inflight} in flight"
 
     def observe_first_token(self, ttft: float, ahead: float, inflight_at_admit: int = 0,
