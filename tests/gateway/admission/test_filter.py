@@ -166,6 +166,7 @@ def test_shed_at_arrival_is_429_with_retry_after_and_reason():
     assert "usefulwork.admission.queue.wait" in names and "usefulwork.admission.limit" in names
     # the shed request is demand an autoscaler should see (shed within the last service time, 10 s here)
     assert [(p.attributes["pool"], p.value) for p in names["usefulwork.admission.shed.demand"].data.data_points] == [("p", 1)]
+    assert f.stats()["pools"]["p"]["shed_demand"] == 1  # and /usefulwork/stats shows it
 
 
 def test_deadline_passing_in_queue_is_a_429_at_the_deadline():

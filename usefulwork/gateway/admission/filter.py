@@ -419,7 +419,10 @@ class AdmissionFilter:
     def stats(self) -> dict[str, Any]:
         down = getattr(self.limits, "down", False)
         shared = getattr(self.limits, "shared", None)
-        out = {"decisions": dict(self.decisions), "pools": {n: q.stats() for n, q in self.queues.items()},
+        now = self.clock()
+        # (shed_demand: what the autoscaler's metric adds for the requests shed within the last service time)
+        out = {"decisions": dict(self.decisions),
+               "pools": {n: {**q.stats(), "shed_demand": q.shed_demand(now, prune=False)} for n, q in self.queues.items()},
                "limits_store": "redis" if isinstance(self.limits, FailoverLimits) else "process",
                "redis_down": down}
         if isinstance(shared, LeasedLimits):
