@@ -159,6 +159,7 @@ class PoolQueue:
     returns: dict[str, tuple[float, float]] = field(default_factory=dict)  # tenant -> (taken back, ended), decayed
     returns_by_count: dict[tuple[str, int], tuple[float, float]] = field(default_factory=dict)  # (tenant, shed count) -> the same
     inflight_tenant: dict[str, int] = field(default_factory=dict)
+    inflight_top: dict[str, int] = field(default_factory=dict)  # the same, interactive only (``_left_to_drain``)
     last_seen: dict[str, float] = field(default_factory=dict)  # tenant -> its last request's arrival
     pending: int = 0  # prefills admitted and not yet answered (first token not seen), all classes
     pending_inter: int = 0  # of those, interactive
@@ -260,18 +261,31 @@ class PoolQueue:
         within the fill limit; lower classes: the fill limit less the interactive reserve). A tenant
         already holding its fair share leaves ``tenant_headroom`` of the SLO limit free for the others."""
         slo, fill = self.capacity.limits()
-        headroom = 0
+        headroom = state = h = 0
         if tenant is not None and self.tenant_headroom:
             state = self.share_state(tenant, slo)
             if state:
                 # over its share: leave the headroom free; under it (among several): it may use the
-                # headroom beyond the limit too, so a limit just cut (the pool draining to it) or a full
-                # pool does not make it wait for the heavy tenant's work to drain
-                headroom = state * max(1, math.ceil(slo * self.tenant_headroom))
+                # headroom beyond the limit too, so a full pool does not make it wait for the heavy
+                # tenant's work to drain
+                h = max(1, math.ceil(slo * self.tenant_headroom))
+                headroom = state * h
         if cls == 0:
-            return slo - headroom - self.inflight_cls[0]
+            free = slo - headroom - self.inflight_cls[0]
+            return free if state != -1 else free + self._left_to_drain(tenant, slo, slo - h, self.inflight_top)
         reserve = max(1, math.ceil(slo * self.reserve_fraction)) if self.reserve_fraction else 0
-        return max(1, fill - reserve - headroom) - self.inflight
+        free = max(1, fill - reserve - headroom) - self.inflight
+        return free if state != -1 else free + self._left_to_drain(tenant, slo, max(1, fill - reserve - h), self.inflight_tenant)
+
+    def _left_to_drain(self, tenant: str | None, slo: int, allowed: int, counts: dict[str, int]) -> int:
+        """The work of tenants over their share beyond what they may hold now (``allowed``, the limit less
+        the headroom): what a limit just cut leaves them to drain. A tenant under its share does not wait
+        for it. (On the real CPU vLLM a live cut took the SLO limit from 26.1 to 20.7 with 23 in flight, and
+        a quiet tenant's request queued 0.75 s in the gateway while the heavy tenant's work drained: 4.8x
+        its first token alone; docs/benchmarks.md section 7, session 35.) Once the heavy tenant is back
+        within its bound this is 0, and the headroom beyond the limit is what bounds the quiet tenants."""
+        over = sum(n for u, n in counts.items() if u != tenant and self.share_state(u, slo) == 1)
+        return max(0, over - allowed)
 
     def over_share(self, tenant: str, slo: int) -> bool:
         """``tenant`` holds at least its weighted share of the SLO limit among the tenants active in the
@@ -648,6 +662,8 @@ class PoolQueue:
         self.inflight += 1
         self.inflight_cls[t.cls] += 1
         self.inflight_tenant[t.tenant] = self.inflight_tenant.get(t.tenant, 0) + 1
+        if t.cls == 0:
+            self.inflight_top[t.tenant] = self.inflight_top.get(t.tenant, 0) + 1
         self.running.add(t)
         self._run_ver += 1
         self.admitted_total += 1
@@ -777,11 +793,9 @@ class PoolQueue:
         self._now = now
         self.inflight -= 1
         self.inflight_cls[t.cls] -= 1
-        n = self.inflight_tenant.get(t.tenant, 0) - 1
-        if n > 0:
-            self.inflight_tenant[t.tenant] = n
-        else:
-            self.inflight_tenant.pop(t.tenant, None)
+        _count_down(self.inflight_tenant, t.tenant)
+        if t.cls == 0:
+            _count_down(self.inflight_top, t.tenant)
         self.running.discard(t)
         self._run_ver += 1
         if t.prefilling:
@@ -867,6 +881,14 @@ class PoolQueue:
                     for k in self.returns},
                 "shed": dict(self.shed_total), "capacity": self.capacity.stats(),
                 "fair_share_tokens": {k: round(v, 1) for k, v in self.counters.items()}}
+
+
+def _count_down(counts: dict[str, int], key: str) -> None:
+    n = counts.get(key, 0) - 1
+    if n > 0:
+        counts[key] = n
+    else:
+        counts.pop(key, None)
 
 
 def _asked(t: Ticket) -> float:
