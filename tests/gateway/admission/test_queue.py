@@ -877,7 +877,7 @@ def test_the_place_after_a_clients_last_retry_is_learnt_as_a_ghost():
     q._prune(100.0)
     assert first_retries > 200 and admitted_first / first_retries >= 0.93
     assert q.return_rate("a", 1) > 0.9 and q.return_rate("a", 2) < 0.25
-    assert q.stats()["retry_return_rate_by_shed"]["a"]["2"] < 0.25  # (shown in /usefulwork/stats)
+    assert q.stats(100.0)["retry_return_rate_by_shed"]["a"]["2"] < 0.25  # (shown in /usefulwork/stats)
 
 
 def test_a_returning_retry_is_not_held_behind_a_place_whose_client_did_not_come():
@@ -1182,7 +1182,7 @@ def test_low_band_prompts_go_one_at_a_time_while_interactive_work_is_about(case)
     assert q.first_token(batch[0], 0.25) == [] and q.pending_low == 0
     assert q.first_token(inter2, 0.27) == [batch[1]] and q.pending_low == 1
     q.release(batch[1], 0.3)  # (ended before its first token was seen: the place frees too)
-    assert batch[2].state == "admitted" and q.stats()["prefill_pending_low_band"] == 1
+    assert batch[2].state == "admitted" and q.stats(0.3)["prefill_pending_low_band"] == 1
     # no interactive offer for tenant_active_s: batch is not held back any more
     late = [ticket(31.0, "a", cls=1, deadline_s=60) for _ in range(2)]
     assert [q.offer(t, 31.0).kind for t in late] == ["admit", "admit"]

@@ -420,9 +420,7 @@ class AdmissionFilter:
         down = getattr(self.limits, "down", False)
         shared = getattr(self.limits, "shared", None)
         now = self.clock()
-        # (shed_demand: what the autoscaler's metric adds for the requests shed within the last service time)
-        out = {"decisions": dict(self.decisions),
-               "pools": {n: {**q.stats(), "shed_demand": q.shed_demand(now, prune=False)} for n, q in self.queues.items()},
+        out = {"decisions": dict(self.decisions), "pools": {n: q.stats(now) for n, q in self.queues.items()},
                "limits_store": "redis" if isinstance(self.limits, FailoverLimits) else "process",
                "redis_down": down}
         if isinstance(shared, LeasedLimits):

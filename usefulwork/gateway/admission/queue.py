@@ -871,7 +871,7 @@ class PoolQueue:
     def depth(self) -> dict[str, int]:
         return {p: sum(len(q) for q in self.queues[i].values()) for i, p in enumerate(PRIORITIES)}
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, now: float) -> dict[str, Any]:
         return {"inflight": self.inflight, "inflight_by_class": dict(zip(PRIORITIES, self.inflight_cls)), "queued": self.depth(), "admitted": self.admitted_total,
                 "prefill_pending": self.pending, "prefill_pending_low_band": self.pending_low,
                 "retry_reservations": len(self.reservations), "retries_honoured": self.retries_honoured,
@@ -879,7 +879,8 @@ class PoolQueue:
                 "retry_return_rate_by_shed": {
                     k: {str(n): round(self.return_rate(k, n), 3) for (u, n) in sorted(self.returns_by_count) if u == k}
                     for k in self.returns},
-                "shed": dict(self.shed_total), "capacity": self.capacity.stats(),
+                "shed": dict(self.shed_total), "shed_demand": self.shed_demand(now, prune=False),
+                "capacity": self.capacity.stats(),
                 "fair_share_tokens": {k: round(v, 1) for k, v in self.counters.items()}}
 
 
