@@ -210,6 +210,7 @@ async def send(client: httpx.AsyncClient, base_url: str, spec: RequestSpec, mode
                 await asyncio.sleep(res.wait_s or 1.0)
                 res.retries += 1
                 res.outcome, res.error, res.status = "ok", "", 0
+                hdrs["x-stainless-retry-count"] = str(res.retries)  # as the OpenAI SDKs number their attempts
                 await _stream(client, base_url + path, body, hdrs, res, t_send, clock0)
     except TimeoutError:
         res.outcome, res.error = "timeout", f"no complete answer within {timeout_s:g}s"

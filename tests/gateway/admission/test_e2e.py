@@ -86,6 +86,67 @@ def test_openai_sdk_sees_rate_limit_error_with_retry_after_and_can_honour_it(sim
         gw.stop()
 
 
+class RoundRobin(httpx.HTTPTransport):
+    """A load balancer in front of several gateway processes (a Kubernetes Service): each attempt goes to
+    the next one."""
+
+    def __init__(self, ports: list[int]):
+        super().__init__()
+        self.ports, self.sent = ports, []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        port = self.ports[len(self.sent) % len(self.ports)]
+        request.url = request.url.copy_with(port=port)
+        self.sent.append((port, request.headers.get("x-stainless-retry-count")))
+        return super().handle_request(request)
+
+
+def test_a_retry_reaching_another_gateway_is_not_counted_as_new_shed_demand(sim, tmp_path):
+    """The openai SDK's retry of a 429 lands on the other gateway process (round robin), which is full too
+    and sheds it: its shed demand (the autoscaler's metric) does not count it again, since the SDK numbers
+    the attempt. A first attempt shed there is counted."""
+    gws = [gateway(sim, tmp_path, slo={"ttft_ms": 300, "e2e_ms": 60000},
+                   admission={"initial_concurrency": 1, "max_concurrency": 1}) for _ in range(2)]
+    try:
+        for g in gws:  # a measured round trip: a request is shed at arrival when the slot frees too late
+            httpx.post(g.base_url + "/v1/completions", json=body(64), timeout=60).raise_for_status()
+
+        def pool(g) -> dict:
+            return httpx.get(g.base_url + "/usefulwork/stats").json()["filters"]["admission"]["pools"]["a100"]
+
+        async def run():
+            # each gateway's one slot taken: the first's frees in ~4 s, the second's much later
+            holds = [asyncio.ensure_future(asyncio.to_thread(
+                httpx.post, g.base_url + "/v1/completions", json=body(n), timeout=120)) for g, n in zip(gws, (400, 1000))]
+            await asyncio.sleep(0.3)
+            lb = RoundRobin([int(g.base_url.rsplit(":", 1)[1]) for g in gws])
+            c = openai.OpenAI(base_url=gws[0].base_url + "/v1", api_key="k", max_retries=1,
+                              http_client=httpx.Client(transport=lb, timeout=120))
+            try:
+                await asyncio.to_thread(c.completions.create, model=MODEL, prompt="retry me " * 40, max_tokens=8)
+            except openai.RateLimitError as exc:
+                err = exc
+            else:
+                err = None
+            second = pool(gws[1])
+            # the control: a first attempt (no retry count) shed by the same full gateway is new demand
+            r = await asyncio.to_thread(httpx.post, gws[1].base_url + "/v1/completions", json=body(8), timeout=60)
+            control = pool(gws[1])
+            for h in holds:
+                (await h).raise_for_status()
+            return err, lb.sent, second, r.status_code, control
+
+        err, sent, second, control_status, control = asyncio.run(run())
+        ports = [int(g.base_url.rsplit(":", 1)[1]) for g in gws]
+        assert sent == [(ports[0], "0"), (ports[1], "1")]  # the SDK waited out Retry-After, then its retry went on
+        assert isinstance(err, openai.RateLimitError)  # shed by the second gateway too
+        assert second["shed"] == {"predicted_wait": 1} and second["shed_demand"] == 0
+        assert control_status == 429 and control["shed_demand"] == 1
+    finally:
+        for g in gws:
+            g.stop()
+
+
 def test_bad_input_nothing_forwarded(sim, tmp_path):
     gw = gateway(sim, tmp_path, tenants={"ok": {"key_hashes": [hash_key("good")]},
                                          "off": {"key_hashes": [hash_key("disabled")], "enabled": False}})

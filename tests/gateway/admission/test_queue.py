@@ -1481,3 +1481,16 @@ def test_shed_demand_counts_each_request_shed_within_the_last_service_time_once(
     assert q.offer(retry, 0.6).kind == "shed" and retry.sheds == 1
     assert q.shed_demand(0.7) == 3  # the same demand, not a fourth request
     assert q.shed_demand(1.2, prune=False) == 0 and q.shed_demand(1.2) == 0  # older than a service time (1 s)
+
+
+def test_a_retry_whose_place_this_process_does_not_hold_is_not_new_demand():
+    """Behind a load balancer a client's retry can reach another gateway process, which holds no place
+    for it; its SDK numbers the attempt (``x-stainless-retry-count``), so it is not counted again."""
+    q = make_queue(limit=1, service_s=1.0)
+    assert q.offer(ticket(0.0), 0.0).kind == "admit"
+    retry = ticket(0.1, deadline_s=0.5)
+    retry.retried = True  # another process shed its first attempt (and counted it)
+    assert q.offer(retry, 0.1).kind == "shed" and retry.sheds == 0  # no place of its own here
+    assert q.shed_demand(0.2) == 0
+    first = ticket(0.2, deadline_s=0.5)  # a first attempt is new demand
+    assert q.offer(first, 0.2).kind == "shed" and q.shed_demand(0.3) == 1

@@ -50,6 +50,8 @@ log = logging.getLogger("usefulwork.admission")
 
 PRIORITY_HEADER = b"x-usefulwork-priority"
 REASON_HEADER = b"x-usefulwork-shed-reason"
+# The OpenAI SDKs (Python, Node) number each attempt: 0 first, then the retries (a 429's included).
+RETRY_COUNT_HEADER = b"x-stainless-retry-count"
 _MESSAGES = {
     "predicted_wait": "the {pool} pool is at capacity: this request cannot start within its deadline; retry after the given time",
     "deadline": "the {pool} pool is at capacity: this request's deadline passed while it was queued",
@@ -61,6 +63,14 @@ _MESSAGES = {
     "tpm_too_large": "this request needs more tokens than tenant {tenant!r}'s tokens-per-minute limit allows",
     "budget": "tenant {tenant!r} has spent its budget for today (UTC)",
 }
+
+
+def _retried(raw: bytes | None) -> bool:
+    """The client's SDK says this attempt is a retry (a malformed count is not)."""
+    try:
+        return raw is not None and int(raw) > 0
+    except ValueError:
+        return False
 
 
 def _error(status: int, message: str, code: str, headers: list[tuple[bytes, bytes]] | None = None,
@@ -190,7 +200,7 @@ class AdmissionFilter:
         raw = call.raw if call.raw is not None else orjson.dumps(call.body, option=orjson.OPT_SORT_KEYS)
         t = Ticket(ctx.tenant, cls, float(tokens), now, now + self.deadline_s[cls], max_tokens=max_tokens,
                    key=hash((ctx.tenant, raw)) or 1,  # a retry sends the same body: it finds its reserved place
-                   stream=ctx.stream)
+                   stream=ctx.stream, retried=_retried(call.header(RETRY_COUNT_HEADER)))
         decision = queue.offer(t, now)
         if decision.kind == "shed" and tenant_cfg.degrade is not None:
             queue, decision = self._degrade(call, queue, t, decision, tenant_cfg.degrade, now)

@@ -95,6 +95,7 @@ class Ticket:
     key: int = 0  # identifies a retry of the same request (tenant + body): its reserved place
     since: float | None = None  # a retry that took back its place: when that place was promised (it queues by this)
     sheds: int = 0  # a retry that took back its place: how many times in a row this request was shed before
+    retried: bool = False  # the client says it is a retry (``x-stainless-retry-count``), place held here or not
     state: State = "new"
     admitted_at: float | None = None
     inflight_at_admit: int = 0
@@ -488,7 +489,9 @@ class PoolQueue:
         t.state = "shed"
         t.shed_reason = reason
         self.shed_total[reason] = self.shed_total.get(reason, 0) + 1
-        if not t.sheds:  # (a retry shed again is the same demand)
+        # (a retry shed again is the same demand; so is one whose place another gateway process held, or
+        # that came back after its place here was let go: its client's own retry count says so)
+        if not t.sheds and not t.retried:
             self._shed_at.append(now)
             self.shed_demand(now)  # (pruned here too: nothing may read it)
         t.retry_after_s = self._retry_after(t, now)
