@@ -127,3 +127,59 @@ def test_dashboard_shows_the_stats_under_traffic(vllm_server, tmp_path, repo_roo
                 shutil.copyfile(shot, dest)
         finally:
             browser.close()
+
+
+def test_dashboard_shows_each_pools_admission(tmp_path):
+    """The admission table in Chromium against /usefulwork/stats: a real gateway with the admission filter
+    in front of the simulator, one slot, one long answer in it and three requests shed (no round trip
+    measured yet: a shed is demand for the E2E SLO's span)."""
+    if not Path(CHROMIUM).exists():
+        pytest.fail("Debian chromium is not installed (apt-get install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    from tests.conftest import free_port
+    from usefulwork.backends.sim.process import SimProcess
+
+    sim = SimProcess(gpu="A100-80G", model="Llama-3.1-8B", served_name="llama", port=free_port(), time_scale=1.0,
+                     log_path=tmp_path / "sim.log")
+    sim.start()
+    extra = {"filters": ["admission"], "slo": {"ttft_ms": 300, "e2e_ms": 60000},
+             "admission": {"initial_concurrency": 1, "max_concurrency": 1}}
+    try:
+        sim.wait_ready(timeout_s=60)
+        with serve_gateway(sim.base_url, "llama", tmp_path, extra=extra) as gw, sync_playwright() as pw:
+            url, body = f"{gw.url}/v1/completions", {"model": "llama", "prompt": "tea " * 50, "ignore_eos": True}
+            long = threading.Thread(target=httpx.post, args=(url,), kwargs={"json": {**body, "max_tokens": 1500}, "timeout": 120})
+            long.start()
+            deadline = time.monotonic() + 10
+            while gw.stats()["filters"]["admission"]["pools"].get("local", {}).get("inflight") != 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            shed = [threading.Thread(target=httpx.post, args=(url,), kwargs={
+                "json": {**body, "prompt": f"{i} " + body["prompt"], "max_tokens": 8}, "timeout": 60}) for i in range(3)]
+            for t in shed:
+                t.start()
+            for t in shed:
+                t.join()
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+            try:
+                page = browser.new_page(viewport={"width": 1400, "height": 1100})
+                page.goto(f"{gw.url}/usefulwork/dashboard")
+                before = gw.stats()["filters"]["admission"]["pools"]["local"]
+                _wait_render(page, _wait_render(page, 0))
+                after = gw.stats()["filters"]["admission"]["pools"]["local"]
+                assert before["inflight"] == after["inflight"] == 1 and sum(after["shed"].values()) == 3
+                assert before["shed_demand"] == after["shed_demand"] == 3
+                row = page.locator("#admission-table tbody tr").first.locator("td").all_inner_texts()
+                header = page.locator("#admission-table thead th").all_inner_texts()
+                shown = dict(zip(header, row))
+                assert shown["pool"] == "local" and shown["limit"] == "1" and shown["in flight"] == "1"
+                assert shown["queued interactive / batch / sheddable"] == "0 / 0 / 0"
+                assert shown["admitted"] == str(after["admitted"])
+                assert shown["shed by reason"] == ", ".join(f"{k} {v}" for k, v in after["shed"].items())
+                assert shown["shed demand"] == "3"
+            finally:
+                browser.close()
+            long.join()
+    finally:
+        sim.stop()
