@@ -49,6 +49,14 @@ def _money(text: str) -> float:
     return float(text[1:])
 
 
+def _open(pw, gateway_url: str):
+    """Chromium on the gateway's live page: (browser, page)."""
+    browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+    page = browser.new_page(viewport={"width": 1400, "height": 1100})
+    page.goto(f"{gateway_url}/usefulwork/dashboard")
+    return browser, page
+
+
 def _wait_render(page, after: int, timeout_s: float = 15) -> int:
     page.wait_for_function(f"Number(document.body.dataset.renders || 0) > {after}", timeout=timeout_s * 1000)
     return int(page.evaluate("document.body.dataset.renders"))
@@ -64,10 +72,8 @@ def test_dashboard_shows_the_stats_under_traffic(vllm_server, tmp_path, repo_roo
         workers = [threading.Thread(target=_traffic, args=(gw.url, vllm_server.model, stop, i)) for i in range(2)]
         for w in workers:
             w.start()
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        browser, page = _open(pw, gw.url)
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1100})
-            page.goto(f"{gw.url}/usefulwork/dashboard")
             # under traffic: the page keeps up with a growing request count
             deadline = time.monotonic() + 60
             renders = 0
@@ -161,10 +167,8 @@ def test_dashboard_shows_each_pools_admission(tmp_path):
                 t.start()
             for t in shed:
                 t.join()
-            browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+            browser, page = _open(pw, gw.url)
             try:
-                page = browser.new_page(viewport={"width": 1400, "height": 1100})
-                page.goto(f"{gw.url}/usefulwork/dashboard")
                 before = gw.stats()["filters"]["admission"]["pools"]["local"]
                 _wait_render(page, _wait_render(page, 0))
                 after = gw.stats()["filters"]["admission"]["pools"]["local"]
