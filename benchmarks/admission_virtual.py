@@ -16,6 +16,7 @@ that met the SLO (10-13 req/s).
     python benchmarks/admission_virtual.py --rule tail:0.75 --rule tail:0.9 --rule mean:0.7
     python benchmarks/admission_virtual.py --classes --seeds 1-6    # the priority and fairness cells
     python benchmarks/admission_virtual.py --retry --seeds 1-6      # the burst-retry cell
+    python benchmarks/admission_virtual.py --retry --gateways 3     # ... behind three round-robin gateways
     python benchmarks/admission_virtual.py --restart --seeds 1-6    # the same clients against a restarted gateway
 
 ``--classes`` runs the experiment's priority cell (24 req/s, one interactive request for three batch ones)
@@ -29,7 +30,9 @@ arrivals alone.
 40 s at 13 req/s from clients that never retry (as the wall-clock experiment warms the gateway), 20 s at
 2 req/s, then the burst's first period (25 req/s for 9 s, 2 req/s after) from another tenant's clients,
 which wait out Retry-After and retry up to 3 times: the share of first retries admitted (target >= 80%),
-and the SLO attainment of the answers served, each attempt timed from its own send.
+and the SLO attainment of the answers served, each attempt timed from its own send. ``--gateways N`` puts
+N gateway processes (each its own queue and capacity estimate) behind a load balancer that sends each
+attempt to the next one, so a client's retry reaches another gateway than the one that shed it.
 
 ``--restart`` sends the burst-retry clients' burst to a gateway started (cold) at that moment beside a
 fleet kept full by 40 s at 13 req/s through the old gateway, which drains (its queued requests get
@@ -166,11 +169,70 @@ class RetryCell(autoscale.Day):
         return self.peak_rate if t - RETRY_WARM_S < 9.0 else self.base_rate
 
 
-def retry_cell(seed: int) -> dict[str, Any]:
-    """The burst-retry cell on the virtual clock, with the shipped settings (see the module's docstring)."""
+class _OwnQueue:
+    """Each request is answered by the gateway (queue) that admitted it: its answer releases that
+    gateway's slot, its first token frees that gateway's prefill place. (Mixed into a Simulation.)"""
+
+    def _own(self, req: Any, fn: Any) -> None:
+        """Run ``fn`` with the queue that admitted ``req``."""
+        mine, self.queue = self.queue, getattr(req, "queue", None) or self.queue
+        try:
+            fn()
+        finally:
+            self.queue = mine
+
+    def _finish_attempt(self, req: Any, ok: bool) -> None:
+        self._own(req, lambda: autoscale.Simulation._finish_attempt(self, req, ok))
+
+    def _first_token(self, sim: Any) -> None:
+        req = self.by_sim.get(id(sim))
+        if req is not None:
+            self._own(req, lambda: autoscale.Simulation._first_token(self, sim))
+
+
+class GatewaysSim(_OwnQueue, autoscale.Simulation):
+    """The what-if's fleet behind ``n`` gateway processes, each with its own queue and capacity estimate
+    (as deployed: only limits and budgets go through Redis), and a load balancer that sends each attempt
+    to the next gateway (Envoy's default round robin, per request): a client's retry reaches another
+    gateway than the one that shed it, ``n - 1`` times in ``n``."""
+
+    def __init__(self, *args: Any, gateways: int = 1, **kw: Any):
+        super().__init__(*args, **kw)
+        self.gateways = [self.queue, *(self.admission_queue() for _ in range(gateways - 1))]
+        self._next = 0
+
+    def _each(self, fn: Any) -> None:
+        mine = self.queue
+        try:
+            for q in self.gateways:
+                self.queue = q
+                fn()
+        finally:
+            self.queue = mine
+
+    def _send(self, req: Any) -> None:
+        self.queue = self.gateways[self._next % len(self.gateways)]
+        self._next += 1
+        super()._send(req)
+        req.queue = self.queue
+
+    def _queue_due(self) -> float:
+        return min((q.next_deadline() or math.inf) for q in self.gateways if q.queued) if any(
+            q.queued for q in self.gateways) else math.inf
+
+    def _expire_queue(self) -> None:
+        self._each(lambda: autoscale.Simulation._expire_queue(self))
+
+    def _pump(self) -> None:
+        self._each(lambda: autoscale.Simulation._pump(self))
+
+
+def retry_cell(seed: int, gateways: int = 1) -> dict[str, Any]:
+    """The burst-retry cell on the virtual clock, with the shipped settings (see the module's docstring),
+    behind ``gateways`` gateway processes."""
     day = RetryCell(day_s=RETRY_WARM_S + 45.0, base_rate=2.0, peak_rate=25.0, burstiness=1.0, seed=seed)
-    sim = autoscale.Simulation(autoscale.Policy("one", "one replica", fixed=1, admission=True), day,
-                               autoscale.Fleet(), autoscale.Client(max_retries=3), autoscale.SLO)
+    sim = GatewaysSim(autoscale.Policy("one", "one replica", fixed=1, admission=True), day,
+                      autoscale.Fleet(), autoscale.Client(max_retries=3), autoscale.SLO, gateways=gateways)
     sim.clients = lambda t0: ("default", 0) if t0 < RETRY_WARM_S else ("retrying", None)
     sim.run()
     return _retrying_figures([r for r in sim.requests if r.t0 >= RETRY_WARM_S], autoscale.SLO)
@@ -187,8 +249,9 @@ def _retrying_figures(reqs: list[Any], slo: Any) -> dict[str, Any]:
             "attainment_served": ok / len(served) if served else None}
 
 
-def retries(seeds: list[int]) -> dict[str, Any]:
-    data = {seed: retry_cell(seed) for seed in seeds}
+def retries(seeds: list[int], gateways: int = 1) -> dict[str, Any]:
+    data = {seed: retry_cell(seed, gateways) for seed in seeds}
+    print(f"{gateways} gateway process(es), each attempt to the next:")
     print("| seed | sent | served | first retries | admitted on the first retry | attainment of served (per attempt) |")
     print("|---|---|---|---|---|---|")
     for seed, r in data.items():
@@ -221,7 +284,7 @@ class _NoServerFigure:
         return None if name == "e2e_live" else getattr(self._view, name)
 
 
-class RestartSim(autoscale.Simulation):
+class RestartSim(_OwnQueue, autoscale.Simulation):
     """The what-if's one-replica fleet, whose gateway is replaced at ``RESTART_AT_S`` by a cold one (a rolling
     update, a restarted worker): the old gateway drains (its queued requests get their 429 and Retry-After,
     its admitted ones finish and release its slots), the new one takes every request from then on and has
@@ -251,22 +314,6 @@ class RestartSim(autoscale.Simulation):
         if RESTART_AT_S <= self.now < RESTART_AT_S + 10.0 and getattr(req, "queue", None) is self.queue:
             self.told.append((self.now, retry_after_s))
         super()._shed(req, retry_after_s)
-
-    def _own(self, req: Any, fn: Any) -> None:
-        """Run ``fn`` with the queue that admitted ``req`` (an old gateway's answers release its slots)."""
-        mine, self.queue = self.queue, getattr(req, "queue", None) or self.queue
-        try:
-            fn()
-        finally:
-            self.queue = mine
-
-    def _finish_attempt(self, req: Any, ok: bool) -> None:
-        self._own(req, lambda: autoscale.Simulation._finish_attempt(self, req, ok))
-
-    def _first_token(self, sim: Any) -> None:
-        req = self.by_sim.get(id(sim))
-        if req is not None:
-            self._own(req, lambda: autoscale.Simulation._first_token(self, sim))
 
 
 RESTART_SLOS = {"experiment": autoscale.SLO,  # TTFT 2 s, TPOT 100 ms, E2E 5 s
@@ -328,6 +375,8 @@ def main() -> int:
     ap.add_argument("--restart", action="store_true",
                     help="the burst-retry clients against a gateway restarted beside a full fleet (cold hold: SLO vs replicas' figure)")
     ap.add_argument("--seeds", default="1-6", help="with --classes or --retry: seeds, e.g. 1-6")
+    ap.add_argument("--gateways", type=int, default=1,
+                    help="with --retry: gateway processes behind a round-robin load balancer (each attempt to the next)")
     args = ap.parse_args()
     if args.restart:
         data = restarts(_seeds(args.seeds))
@@ -335,7 +384,7 @@ def main() -> int:
             args.json.write_text(json.dumps(data, indent=1))
         return 0
     if args.retry:
-        data = retries(_seeds(args.seeds))
+        data = retries(_seeds(args.seeds), args.gateways)
         if args.json:
             args.json.write_text(json.dumps(data, indent=1))
         return 0

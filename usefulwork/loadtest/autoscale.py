@@ -397,6 +397,10 @@ class Simulation:
         self._finish_attempt(req, ok=False)
         self._end(req, outcome)
 
+    def _queue_due(self) -> float:
+        """When the admission queue next has a queued ticket at its latest start (inf: none)."""
+        return (self.queue.next_deadline() or math.inf) if self.queue is not None and self.queue.queued else math.inf
+
     def _expire_queue(self) -> None:
         self._wake(self.queue.expire(self.now))
         self._pump()
@@ -448,7 +452,7 @@ class Simulation:
                                      or self.timeouts[0][2].sim is None):
                 heapq.heappop(self.timeouts)  # that attempt already ended
             t_timeout = self.timeouts[0][0] if self.timeouts else math.inf
-            t_queue = (self.queue.next_deadline() or math.inf) if self.queue is not None and self.queue.queued else math.inf
+            t_queue = self._queue_due()
             rep = min((r for r in self.replicas if r.gone_at is None), key=lambda r: r.plan_end, default=None)
             t_rep = rep.plan_end if rep is not None else math.inf
             t_drain = min((r.removed_at + self.fleet.grace_s for r in self.replicas

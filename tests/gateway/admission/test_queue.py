@@ -278,6 +278,31 @@ def test_a_ticket_dropped_at_its_latest_start_is_told_when_its_retry_fits_and_th
     assert retry.since == pytest.approx(1.9) and q.retries_honoured == 1
 
 
+def test_a_retry_shed_by_another_gateway_takes_the_place_held_here_longest_for_its_tenant():
+    """Behind a load balancer a client's retry reaches another gateway process than the one that shed it.
+    Each process holds places for the clients it shed, who come back elsewhere; a retry (its SDK numbers
+    the attempt) with no place of its own here takes its tenant's place held here longest, so it is
+    behind only the places promised before that one. A first attempt takes none."""
+    q = make_queue(limit=1, service_s=1.0)
+    q.return_prior = 1.0
+    running = ticket(0.0)
+    q.offer(running, 0.0)
+    shed = [ticket(0.1, deadline_s=0.5), ticket(0.2, deadline_s=0.5), ticket(0.2, tenant="b", deadline_s=0.5)]
+    for i, t in enumerate(shed):
+        t.key = i + 1
+        assert q.offer(t, t.arrival).kind == "shed"  # (their clients' retries go to other gateways)
+    due = q._held[1][0]  # tenant a's first place: the slot frees then
+    q.release(running, due)
+    new = ticket(due, deadline_s=0.5)
+    new.key = 99
+    assert q.offer(new, due).kind == "shed"  # a first attempt: behind the place held for that time
+    elsewhere = ticket(due, deadline_s=0.5)
+    elsewhere.key, elsewhere.retried = 77, True  # shed by another gateway: no place of its own here
+    assert q.offer(elsewhere, due).kind == "admit"
+    assert elsewhere.since == pytest.approx(0.1) and q.retries_honoured == 1  # tenant a's oldest place
+    assert 1 not in q._held and {2, 3} <= set(q._held)
+
+
 def test_expiry_honours_the_queues_promise_after_a_limit_cut():
     """A ticket queued on a promise whose slot a limit cut took back is admitted at its latest start
     while the pool is within 10% of the new limit, rather than answered 429 late."""

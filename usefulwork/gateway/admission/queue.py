@@ -435,7 +435,7 @@ class PoolQueue:
         self.last_seen[t.tenant] = now
         if t.cls == 0 and self.low_band_prefills and self.capacity.priority_scheduling and not self.low_band(0, t.tenant):
             self._top_seen = now
-        held = self._take_reservation(t.key, now)
+        held = self._take_reservation(t.key, now, t.tenant if t.retried else None)
         if held is not None:
             t.since, t.sheds = held[1], held[2]
         budget = self.budget(t, now)
@@ -590,11 +590,22 @@ class PoolQueue:
         bisect.insort(self._promised_at.setdefault((tenant, sheds), []), since)
         bisect.insort(self.reservations, (at, key))
 
-    def _take_reservation(self, key: int, now: float) -> tuple[float, float, int] | None:
+    def _take_reservation(self, key: int, now: float, tenant: str | None = None) -> tuple[float, float, int] | None:
         """The retry of a shed request takes back its place; returns (the place's time, when it was promised,
-        how many times in a row the request was shed)."""
+        how many times in a row the request was shed).
+
+        ``tenant``: the client says this is a retry (``Ticket.retried``). With no place held here for it, it
+        takes the place held longest for its tenant. Behind a load balancer a client's retry reaches
+        another gateway process than the one that shed it (n - 1 times in n, balanced per request), and
+        each process holds places for the clients it shed; they come back elsewhere, and the others'
+        come here. Found on the virtual clock's burst-retry cell behind three gateways, each attempt to
+        the next: 41.9% of first retries admitted (84.2% behind one, 83.2% behind three with each
+        client's attempts kept on one gateway; docs/benchmarks.md section 7, session 36)."""
         self._prune(now)
         held = self._unhold(key) if key else None
+        if held is None and tenant is not None:
+            key = next((k for _, k in self.reservations if self._held[k][1] == tenant), 0)
+            held = self._unhold(key) if key else None
         if held is None:
             return None
         at, tenant, since, sheds = held
