@@ -46,6 +46,7 @@ MODEL = "llama"
 SLO = (2.0, 0.1, 5.0)  # TTFT, TPOT, E2E (simulated seconds): the admission experiment's
 PHASES = [(40.0, 13.0, "warm"), (20.0, 2.0, "warm"), (9.0, 25.0, "retrying"), (36.0, 2.0, "retrying")]
 KEYS = {"warm": "uw-gr-warm", "retrying": "uw-gr-retrying"}
+ADMIN = "uw-gr-admin"  # reads each gateway's /usefulwork/stats at the end
 MAX_RETRIES = 3
 
 
@@ -61,29 +62,32 @@ def arrivals(seed: int) -> list[tuple[float, str]]:
 
 
 class Balancer:
-    """Each attempt goes to the next gateway."""
+    """Each attempt goes to the next gateway (``sticky``: every attempt of a request to one gateway, as a
+    client that keeps its connection: the control)."""
 
-    def __init__(self, urls: list[str]):
-        self.urls, self.n = urls, 0
+    def __init__(self, urls: list[str], sticky: bool = False):
+        self.urls, self.n, self.sticky = urls, 0, sticky
 
-    def next(self) -> str:
-        url = self.urls[self.n % len(self.urls)]
+    def next(self, i: int) -> str:
+        url = self.urls[(i if self.sticky else self.n) % len(self.urls)]
         self.n += 1
         return url
 
 
-async def attempt(client: httpx.AsyncClient, url: str, body: dict, headers: dict) -> tuple[int, float | None, float | None, float]:
-    """One streamed attempt: (status, Retry-After s, TTFT s, E2E s) from its own send."""
+async def attempt(client: httpx.AsyncClient, url: str, body: dict, headers: dict
+                  ) -> tuple[int, float | None, float | None, float, str | None]:
+    """One streamed attempt: (status, Retry-After s, TTFT s, E2E s from its own send, shed reason)."""
     t0 = time.perf_counter()
     ttft = None
     async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
         if r.status_code != 200:
             await r.aread()
-            return r.status_code, retry_after(r.headers), None, time.perf_counter() - t0
+            return (r.status_code, retry_after(r.headers), None, time.perf_counter() - t0,
+                    r.headers.get("x-usefulwork-shed-reason"))
         async for chunk in r.aiter_bytes():
             if ttft is None and b'"text"' in chunk:
                 ttft = time.perf_counter() - t0
-    return 200, None, ttft, time.perf_counter() - t0
+    return 200, None, ttft, time.perf_counter() - t0, None
 
 
 async def request(client: httpx.AsyncClient, lb: Balancer, i: int, tenant: str, at: float, scale: float,
@@ -97,10 +101,13 @@ async def request(client: httpx.AsyncClient, lb: Balancer, i: int, tenant: str, 
     for n in range(retries + 1):
         if n:
             headers["x-stainless-retry-count"] = str(n)
-        status, wait, ttft, e2e = await attempt(client, lb.next(), body, headers)
+        status, wait, ttft, e2e, reason = await attempt(client, lb.next(i), body, headers)
         out["attempts"] += 1
+        if n == 0 and wait is not None:
+            out["told_s"] = wait * scale
         if n == 1:
             out["first_retry"] = "shed" if status == 429 else "admitted"
+            out["first_retry_reason"] = reason
         if status != 429:
             out["outcome"] = "ok" if status == 200 else f"http {status}"
             out["ttft_s"], out["e2e_s"] = (ttft or e2e) * scale, e2e * scale  # simulated seconds
@@ -111,7 +118,7 @@ async def request(client: httpx.AsyncClient, lb: Balancer, i: int, tenant: str, 
     return out
 
 
-def run(n_gateways: int, seed: int, scale: float, workdir: Path) -> dict[str, Any]:
+def run(n_gateways: int, seed: int, scale: float, workdir: Path, sticky: bool = False) -> dict[str, Any]:
     sim = SimProcess(gpu="A100-80G", model="Llama-3.1-8B", served_name=MODEL, port=free_port(), time_scale=scale,
                      log_path=workdir / "sim.log")
     sim.start()
@@ -123,10 +130,11 @@ def run(n_gateways: int, seed: int, scale: float, workdir: Path) -> dict[str, An
                "slo": {"ttft_ms": SLO[0] * 1e3 / scale, "tpot_ms": SLO[1] * 1e3 / scale, "e2e_ms": SLO[2] * 1e3 / scale},
                "admission": _admission_in_wall_time({}, scale),
                "tenants": {t: {"key_hashes": [hash_key(k)]} for t, k in KEYS.items()},
+               "access": {"admin_key_hashes": [hash_key(ADMIN)]},
                "timeouts": {"first_byte_s": 600.0, "read_s": 600.0}}
         for _ in range(n_gateways):
             gateways.append(Gateway({**cfg, "listen": {"host": "127.0.0.1", "port": free_port()}}, workdir).start())
-        lb = Balancer([g.base_url for g in gateways])
+        lb = Balancer([g.base_url for g in gateways], sticky)
         rng = np.random.default_rng(seed)
 
         async def go() -> list[dict[str, Any]]:
@@ -137,6 +145,8 @@ def run(n_gateways: int, seed: int, scale: float, workdir: Path) -> dict[str, An
                                               for i, (at, tenant) in enumerate(arrivals(seed))))
 
         reqs = asyncio.run(go())
+        pools = [httpx.get(g.base_url + "/usefulwork/stats", headers={"authorization": f"Bearer {ADMIN}"}
+                           ).json()["filters"]["admission"]["pools"]["a100"] for g in gateways]
     finally:
         for g in gateways:
             g.stop()
@@ -145,10 +155,15 @@ def run(n_gateways: int, seed: int, scale: float, workdir: Path) -> dict[str, An
     retried = [r for r in back if r["first_retry"]]
     served = [r for r in back if r["outcome"] == "ok"]
     good = [r for r in served if r["ttft_s"] <= SLO[0] and r["e2e_s"] <= SLO[2]]
-    return {"gateways": n_gateways, "seed": seed, "time_scale": scale, "sent": len(back), "served": len(served),
+    return {"gateways": n_gateways, "balance": "sticky" if sticky else "round-robin", "seed": seed, "time_scale": scale, "sent": len(back), "served": len(served),
             "first_retries": len(retried), "admitted_on_first_retry": sum(r["first_retry"] == "admitted" for r in retried),
             "within_slo_of_served": len(good) / len(served) if served else None,
-            "errors": sum(1 for r in reqs if r["outcome"].startswith("http"))}
+            "errors": sum(1 for r in reqs if r["outcome"].startswith("http")),
+            "first_retry_shed_reasons": {x: sum(1 for r in retried if r.get("first_retry_reason") == x)
+                                         for x in {r.get("first_retry_reason") for r in retried if r["first_retry"] == "shed"}},
+            "told_s_median": float(np.median([r["told_s"] for r in back if "told_s" in r])) if any("told_s" in r for r in back) else None,
+            "per_gateway": [{"retries_honoured": p["retries_honoured"], "shed": p["shed"],
+                             "retry_return_rate": p["retry_return_rate"], "limit": p["capacity"]["limit"]} for p in pools]}
 
 
 def main() -> int:
@@ -156,18 +171,20 @@ def main() -> int:
     ap.add_argument("--gateways", type=int, default=3)
     ap.add_argument("--seeds", default="1", help="comma-separated seeds, one run each")
     ap.add_argument("--time-scale", type=float, default=0.5, help="simulated seconds per wall second")
+    ap.add_argument("--sticky", action="store_true", help="every attempt of a request to one gateway (the control)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     rows = []
     for seed in [int(s) for s in args.seeds.split(",")]:
         with tempfile.TemporaryDirectory() as d:
-            r = run(args.gateways, seed, args.time_scale, Path(d))
+            r = run(args.gateways, seed, args.time_scale, Path(d), args.sticky)
         rows.append(r)
         share = r["admitted_on_first_retry"] / max(1, r["first_retries"])
         within = "-" if r["within_slo_of_served"] is None else f"{r['within_slo_of_served']:.1%}"
-        print(f"gateways {r['gateways']} seed {seed}: retrying clients sent {r['sent']}, served {r['served']}, "
+        print(f"gateways {r['gateways']} ({r['balance']}) seed {seed}: retrying clients sent {r['sent']}, served {r['served']}, "
               f"first retries admitted {r['admitted_on_first_retry']} of {r['first_retries']} ({share:.1%}), "
-              f"served within the SLO {within}, errors {r['errors']}", flush=True)
+              f"served within the SLO {within}, errors {r['errors']}; first retries shed: {r['first_retry_shed_reasons']}; "
+              f"Retry-After median {r['told_s_median']} s; per gateway {r['per_gateway']}", flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0
