@@ -217,8 +217,7 @@ class GatewaysSim(_OwnQueue, autoscale.Simulation):
         req.queue = self.queue
 
     def _queue_due(self) -> float:
-        return min((q.next_deadline() or math.inf) for q in self.gateways if q.queued) if any(
-            q.queued for q in self.gateways) else math.inf
+        return min(((q.next_deadline() or math.inf) for q in self.gateways if q.queued), default=math.inf)
 
     def _expire_queue(self) -> None:
         self._each(lambda: autoscale.Simulation._expire_queue(self))

@@ -604,7 +604,7 @@ class PoolQueue:
         self._prune(now)
         held = self._unhold(key) if key else None
         if held is None and tenant is not None:
-            key = next((k for _, k in self.reservations if self._held[k][1] == tenant), 0)
+            key = self._oldest_place(tenant)
             held = self._unhold(key) if key else None
         if held is None:
             return None
@@ -613,6 +613,19 @@ class PoolQueue:
         self.retries_honoured += 1
         self._learn_return(tenant, sheds, True)
         return at, since, sheds
+
+    def _oldest_place(self, tenant: str) -> int:
+        """The key of the place held for ``tenant`` that falls due first (0: none). Looked up through the
+        per-tenant due times and a bisection, not a scan: in a long burst thousands of places are held,
+        and behind several gateways most retries come here."""
+        at = min((times[0] for (holder, _), times in self._held_by.items() if holder == tenant), default=None)
+        if at is None:
+            return 0
+        r = self.reservations
+        i = bisect.bisect_left(r, (at,))
+        while self._held[r[i][1]][1] != tenant:  # (another tenant's place due at the same time)
+            i += 1
+        return r[i][1]
 
     def _promised_before(self, since: float | None) -> float:
         """Places held for retries, each weighted by the return rate of its tenant at its shed count: all of
