@@ -99,8 +99,8 @@ async def request(client: httpx.AsyncClient, lb: Balancer, i: int, tenant: str, 
     retries = MAX_RETRIES if tenant == "retrying" else 0
     out: dict[str, Any] = {"tenant": tenant, "attempts": 0, "first_retry": "", "outcome": "shed"}
     for n in range(retries + 1):
-        if n:
-            headers["x-stainless-retry-count"] = str(n)
+        if retries:
+            headers["x-stainless-retry-count"] = str(n)  # (0 on the first attempt, as the SDKs send)
         status, wait, ttft, e2e, reason = await attempt(client, lb.next(i), body, headers)
         out["attempts"] += 1
         if n == 0 and wait is not None:

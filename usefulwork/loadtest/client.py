@@ -200,6 +200,8 @@ async def send(client: httpx.AsyncClient, base_url: str, spec: RequestSpec, mode
     hdrs = {"content-type": "application/json", "x-request-id": res.request_id, **(headers or {})}
     if api_key:
         hdrs["authorization"] = f"Bearer {api_key}"
+    if honor_retry_after:
+        hdrs["x-stainless-retry-count"] = "0"  # as the OpenAI SDKs number their attempts (0: the first)
     body = orjson.dumps(spec.body(model))
     t_send = time.perf_counter()
     res.sent = t_send - clock0
@@ -210,7 +212,7 @@ async def send(client: httpx.AsyncClient, base_url: str, spec: RequestSpec, mode
                 await asyncio.sleep(res.wait_s or 1.0)
                 res.retries += 1
                 res.outcome, res.error, res.status = "ok", "", 0
-                hdrs["x-stainless-retry-count"] = str(res.retries)  # as the OpenAI SDKs number their attempts
+                hdrs["x-stainless-retry-count"] = str(res.retries)
                 await _stream(client, base_url + path, body, hdrs, res, t_send, clock0)
     except TimeoutError:
         res.outcome, res.error = "timeout", f"no complete answer within {timeout_s:g}s"

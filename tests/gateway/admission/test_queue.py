@@ -303,6 +303,30 @@ def test_a_retry_shed_by_another_gateway_takes_the_place_held_here_longest_for_i
     assert 1 not in q._held and {2, 3} <= set(q._held)
 
 
+def test_a_numbered_first_attempt_never_takes_the_place_held_for_an_identical_request():
+    """Two identical requests of one tenant (the same prompt sent twice, an eval set's repeats) share a
+    body, so a place held for the first one's retry is found by the second's body too. A client that
+    numbers its attempts says the second is a first attempt: it takes no place and is new demand. A
+    client that does not number them is matched by its body, as before."""
+    for retried, takes in ((False, False), (None, True)):
+        q = make_queue(limit=1, service_s=1.0)
+        q.return_prior = 1.0
+        running = ticket(0.0)
+        q.offer(running, 0.0)
+        shed = ticket(0.1, deadline_s=0.5)
+        shed.key, shed.retried = 7, retried
+        assert q.offer(shed, 0.1).kind == "shed" and q.shed_demand(0.1) == 1
+        due = q._held[7][0]
+        q.release(running, due)
+        twin = ticket(due, deadline_s=0.5)
+        twin.key, twin.retried = 7, retried
+        q.offer(twin, due)
+        assert (q.retries_honoured, twin.since is not None) == (int(takes), takes)
+        # numbered: the place held for the first one's retry counts ahead of the twin, which is shed and is
+        # new demand; matched by its body, the twin takes that place and is admitted as the same demand
+        assert twin.state == ("admitted" if takes else "shed") and q.shed_demand(due) == (0 if takes else 1)
+
+
 def test_expiry_honours_the_queues_promise_after_a_limit_cut():
     """A ticket queued on a promise whose slot a limit cut took back is admitted at its latest start
     while the pool is within 10% of the new limit, rather than answered 429 late."""

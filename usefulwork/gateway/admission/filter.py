@@ -65,12 +65,13 @@ _MESSAGES = {
 }
 
 
-def _retried(raw: bytes | None) -> bool:
-    """The client's SDK says this attempt is a retry (a malformed count is not)."""
+def _retried(raw: bytes | None) -> bool | None:
+    """The client's SDK says this attempt is a retry (True) or its first attempt (False); None: it does not
+    say (no count, or a malformed one), and a retry is found by its body."""
     try:
-        return raw is not None and int(raw) > 0
+        return None if raw is None else int(raw) > 0
     except ValueError:
-        return False
+        return None
 
 
 def _error(status: int, message: str, code: str, headers: list[tuple[bytes, bytes]] | None = None,

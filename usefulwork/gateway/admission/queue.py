@@ -95,7 +95,9 @@ class Ticket:
     key: int = 0  # identifies a retry of the same request (tenant + body): its reserved place
     since: float | None = None  # a retry that took back its place: when that place was promised (it queues by this)
     sheds: int = 0  # a retry that took back its place: how many times in a row this request was shed before
-    retried: bool = False  # the client says it is a retry (``x-stainless-retry-count``), place held here or not
+    # The client numbers its attempts (``x-stainless-retry-count``): True a retry, place held here or not;
+    # False a first attempt (never a retry, whatever its body); None it does not say (found by its body).
+    retried: bool | None = None
     state: State = "new"
     admitted_at: float | None = None
     inflight_at_admit: int = 0
@@ -435,7 +437,9 @@ class PoolQueue:
         self.last_seen[t.tenant] = now
         if t.cls == 0 and self.low_band_prefills and self.capacity.priority_scheduling and not self.low_band(0, t.tenant):
             self._top_seen = now
-        held = self._take_reservation(t.key, now, t.tenant if t.retried else None)
+        # (A first attempt the client numbered is not a retry: an identical request of the same tenant in
+        # flight, or shed, must not give it the place held for that one's retry.)
+        held = self._take_reservation(0 if t.retried is False else t.key, now, t.tenant if t.retried else None)
         if held is not None:
             t.since, t.sheds = held[1], held[2]
         budget = self.budget(t, now)
