@@ -303,6 +303,31 @@ def test_a_retry_shed_by_another_gateway_takes_the_place_held_here_longest_for_i
     assert 1 not in q._held and {2, 3} <= set(q._held)
 
 
+def test_a_retry_with_no_place_here_for_its_tenant_is_priced_as_holding_a_place_due_now():
+    """Behind several gateway replicas the one that sheds least runs out of places for the retries it
+    receives: their places are held by the replicas that shed them. Such a retry waited the Retry-After it
+    was told, so it is priced as holding a place due now (behind only the places already due), not as a
+    first attempt behind every place held here within its budget."""
+    q = make_queue(limit=1, service_s=1.0)
+    q.return_prior = 1.0
+    running = ticket(0.0)
+    q.offer(running, 0.0)
+    shed = [ticket(0.1, tenant="b", deadline_s=0.5), ticket(0.2, tenant="b", deadline_s=0.5)]
+    for i, t in enumerate(shed):
+        t.key = i + 1
+        assert q.offer(t, t.arrival).kind == "shed"
+    first_due = q._held[1][0]
+    now = first_due - 0.3  # tenant b's places fall due within a new request's budget, none due yet
+    q.release(running, now)
+    new = ticket(now, tenant="c", deadline_s=0.5)
+    new.key, new.retried = 98, 0
+    assert q.offer(new, now).kind == "shed"  # a first attempt: behind tenant b's places
+    retry = ticket(now, deadline_s=0.5)
+    retry.key, retry.retried = 99, 1  # shed by another gateway replica; no place here for tenant a
+    assert q.offer(retry, now).kind == "admit" and q.retries_placeless == 1 and q.retries_honoured == 0
+    assert {1, 2} <= set(q._held)  # tenant b's places stay held for its own clients
+
+
 def test_a_numbered_first_attempt_never_takes_the_place_held_for_an_identical_request():
     """Two identical requests of one tenant (the same prompt sent twice, an eval set's repeats) share a
     body, so a place held for the first one's retry is found by the second's body too. A client that
@@ -1539,7 +1564,7 @@ def test_a_retry_whose_place_this_process_does_not_hold_is_not_new_demand():
     assert q.offer(ticket(0.0), 0.0).kind == "admit"
     retry = ticket(0.1, deadline_s=0.5)
     retry.retried = True  # another process shed its first attempt (and counted it)
-    assert q.offer(retry, 0.1).kind == "shed" and retry.sheds == 0  # no place of its own here
+    assert q.offer(retry, 0.1).kind == "shed" and q.retries_placeless == 1  # no place of its own here
     assert q.shed_demand(0.2) == 0
     first = ticket(0.2, deadline_s=0.5)  # a first attempt is new demand
     assert q.offer(first, 0.2).kind == "shed" and q.shed_demand(0.3) == 1
