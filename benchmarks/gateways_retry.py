@@ -118,7 +118,8 @@ async def request(client: httpx.AsyncClient, lb: Balancer, i: int, tenant: str, 
     return out
 
 
-def run(n_gateways: int, seed: int, scale: float, workdir: Path, sticky: bool = False) -> dict[str, Any]:
+def run(n_gateways: int, seed: int, scale: float, workdir: Path, sticky: bool = False,
+        redis_url: str | None = None) -> dict[str, Any]:
     sim = SimProcess(gpu="A100-80G", model="Llama-3.1-8B", served_name=MODEL, port=free_port(), time_scale=scale,
                      log_path=workdir / "sim.log")
     sim.start()
@@ -128,7 +129,8 @@ def run(n_gateways: int, seed: int, scale: float, workdir: Path, sticky: bool = 
         cfg = {"pools": [{"name": "a100", "models": [MODEL], "replicas": [sim.base_url]}],
                "filters": ["admission"],
                "slo": {"ttft_ms": SLO[0] * 1e3 / scale, "tpot_ms": SLO[1] * 1e3 / scale, "e2e_ms": SLO[2] * 1e3 / scale},
-               "admission": _admission_in_wall_time({}, scale),
+               "admission": _admission_in_wall_time({"redis_url": redis_url, "redis_prefix": f"uw-gr-{time.time_ns()}"}
+                                                    if redis_url else {}, scale),
                "tenants": {t: {"key_hashes": [hash_key(k)]} for t, k in KEYS.items()},
                "access": {"admin_key_hashes": [hash_key(ADMIN)]},
                "timeouts": {"first_byte_s": 600.0, "read_s": 600.0}}
@@ -155,7 +157,7 @@ def run(n_gateways: int, seed: int, scale: float, workdir: Path, sticky: bool = 
     retried = [r for r in back if r["first_retry"]]
     served = [r for r in back if r["outcome"] == "ok"]
     good = [r for r in served if r["ttft_s"] <= SLO[0] and r["e2e_s"] <= SLO[2]]
-    return {"gateways": n_gateways, "balance": "sticky" if sticky else "round-robin", "seed": seed, "time_scale": scale, "sent": len(back), "served": len(served),
+    return {"gateways": n_gateways, "balance": "sticky" if sticky else "round-robin", "redis": bool(redis_url), "seed": seed, "time_scale": scale, "sent": len(back), "served": len(served),
             "first_retries": len(retried), "admitted_on_first_retry": sum(r["first_retry"] == "admitted" for r in retried),
             "within_slo_of_served": len(good) / len(served) if served else None,
             "errors": sum(1 for r in reqs if r["outcome"].startswith("http")),
@@ -172,12 +174,14 @@ def main() -> int:
     ap.add_argument("--seeds", default="1", help="comma-separated seeds, one run each")
     ap.add_argument("--time-scale", type=float, default=0.5, help="simulated seconds per wall second")
     ap.add_argument("--sticky", action="store_true", help="every attempt of a request to one gateway (the control)")
+    ap.add_argument("--redis", default=None, metavar="URL",
+                    help="the gateways share limits, fair-share counters and the retries' returns through this Redis")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     rows = []
     for seed in [int(s) for s in args.seeds.split(",")]:
         with tempfile.TemporaryDirectory() as d:
-            r = run(args.gateways, seed, args.time_scale, Path(d), args.sticky)
+            r = run(args.gateways, seed, args.time_scale, Path(d), args.sticky, args.redis)
         rows.append(r)
         share = r["admitted_on_first_retry"] / max(1, r["first_retries"])
         within = "-" if r["within_slo_of_served"] is None else f"{r['within_slo_of_served']:.1%}"

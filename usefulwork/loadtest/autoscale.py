@@ -305,7 +305,7 @@ class Simulation:
             return
         t = Ticket(req.tenant, 0, float(self.day.prompt_tokens + self.day.output_tokens), self.now,
                    self.now + self.deadline_s, max_tokens=self.day.output_tokens, key=req.id + 1,
-                   retried=req.attempts > 1)  # (the OpenAI SDK numbers its attempts: x-stainless-retry-count)
+                   retried=req.attempts - 1)  # (the OpenAI SDK numbers its attempts: x-stainless-retry-count)
         t.waiter = req
         req.ticket = t
         d = self.queue.offer(t, self.now)

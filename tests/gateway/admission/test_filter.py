@@ -387,3 +387,44 @@ def test_the_class_goes_to_vllm_as_priority_only_where_the_replicas_schedule_by_
         assert all(c.raw is None for c in sent)  # re-encoded by the forwarder
     else:
         assert "priority" not in sent[0].body and sent[1].body["priority"] == -5 and sent[0].raw is not None
+
+
+def test_two_replicas_settle_a_retrys_return_through_redis(redis_url):
+    """Replica A sheds a request and holds its place; the client's retry reaches replica B, which holds no
+    place for the tenant. When A lets the place go, its syncs with B (through the real Redis) learn it as
+    taken back; a place whose client never came back is learnt as not."""
+    import uuid
+
+    import redis
+
+    from usefulwork.gateway.admission.queue import RESERVATION_GRACE_S, Ticket
+
+    adm = {"redis_url": redis_url, "redis_prefix": f"uwtest:{uuid.uuid4().hex}"}
+    cfg = make_cfg(admission=adm)
+    fa, fb = make_filter(cfg), make_filter(cfg)
+    qa, qb = fa.queue_for(make_call(fa)), fb.queue_for(make_call(fb))
+    assert qa.shared_returns and qb.shared_returns and fa.fair_sync is not None
+
+    async def go():
+        try:
+            qa._reserve(1.0, 5, "acme", 0.0)  # A shed acme's request: its place, due at 1 s
+            qa._reserve(1.0, 6, "acme", 0.0)  # and another's, whose client never comes back
+            retry = Ticket("acme", 0, 100.0, 1.0, 3.0, key=5, retried=1)
+            qb.offer(retry, 1.0)  # the retry reaches B, which holds no place for acme
+            assert qb.retries_placeless == 1
+            await fb.sync_once()
+            qa.offer(Ticket("zed", 0, 100.0, 1.0 + RESERVATION_GRACE_S + 0.5, 9.0, key=9),
+                     1.0 + RESERVATION_GRACE_S + 0.5)  # A lets both places go
+            assert "acme" not in qa.returns
+            await fa.sync_once()
+            # one of the two came back, on B (taken back, then not: the older outcome weighs 0.95)
+            assert qa.returns["acme"] == pytest.approx((0.95, 1.95))
+        finally:
+            await fa.stop()
+            await fb.stop()
+            r = redis.Redis.from_url(redis_url)
+            keys = r.keys(adm["redis_prefix"] + "*")
+            if keys:
+                r.delete(*keys)
+
+    asyncio.run(go())

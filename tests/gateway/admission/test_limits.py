@@ -216,3 +216,32 @@ def test_fair_share_counters_are_shared_through_redis(redis_url):
         await r.aclose()
 
     asyncio.run(go())
+
+
+def test_retry_returns_are_matched_across_processes_through_redis(redis_url):
+    """The fleet's ledger of returns: retries that found no place on one replica are taken back by the
+    replicas that let places of that tenant and shed count go, each at most once, and only within the
+    window."""
+    import redis.asyncio as aioredis
+
+    from usefulwork.gateway.admission.limits import FairShareSync
+
+    prefix = f"uwtest:{uuid.uuid4().hex}"
+
+    async def go():
+        r = aioredis.Redis.from_url(redis_url)
+        a, b = FairShareSync(r, prefix), FairShareSync(r, prefix)
+        assert await b.returns("p", {("acme", 1): 2, ("acme", 2): 1}, {}) == {}  # B: three place-less retries
+        got = await a.returns("p", {}, {("acme", 1): 3, ("other", 1): 1})  # A let four places go
+        assert got == {("acme", 1): 2}
+        assert await a.returns("p", {}, {("acme", 1): 1, ("acme", 2): 1}) == {("acme", 2): 1}  # each once
+        a.return_window_s = b.return_window_s = 0.2
+        await b.returns("p", {("acme", 1): 1}, {})
+        await asyncio.sleep(0.4)
+        assert await a.returns("p", {}, {("acme", 1): 1}) == {}  # too old to be this place's client
+        keys = await r.keys(prefix + "*")
+        if keys:
+            await r.delete(*keys)
+        await r.aclose()
+
+    asyncio.run(go())

@@ -328,6 +328,34 @@ def test_a_retry_with_no_place_here_for_its_tenant_is_priced_as_holding_a_place_
     assert {1, 2} <= set(q._held)  # tenant b's places stay held for its own clients
 
 
+def test_places_let_go_behind_several_replicas_are_learnt_from_the_fleets_returns():
+    """With the returns shared (several replicas, Redis), a place let go with nobody back for it is not
+    learnt at once: its client's retry may have reached another replica and found no place there. The
+    place is learnt as taken back for each such retry the fleet matched to it, else as not."""
+    for came_back in (0, 1):
+        a, b = make_queue(limit=1, service_s=1.0), make_queue(limit=1, service_s=1.0)
+        a.shared_returns = b.shared_returns = True
+        a.offer(ticket(0.0), 0.0)
+        b.offer(ticket(0.0), 0.0)
+        shed = ticket(0.1, deadline_s=0.5)
+        shed.key = 5
+        assert a.offer(shed, 0.1).kind == "shed"  # replica A holds its place
+        due = a._held[5][0]
+        retry = ticket(due, deadline_s=0.5)
+        retry.key, retry.retried = 5, 1  # its retry reaches replica B, which holds no place for the tenant
+        b.offer(retry, due)
+        late = ticket(due + 3.0, tenant="z")
+        a.offer(late, due + 3.0)  # A lets the place go (past its grace)
+        assert 5 not in a._held and "a" not in a.returns  # not learnt yet
+        placeless, _ = b.take_returns()
+        assert placeless == {("a", 1): 1}
+        _, unclaimed = a.take_returns()
+        assert unclaimed == {("a", 1): 1}
+        a.settle_returns(unclaimed, {("a", 1): came_back} if came_back else {})  # what the fleet's ledger matched
+        assert a.returns["a"] == (float(came_back), 1.0)
+        assert a.take_returns() == ({}, {})
+
+
 def test_a_numbered_first_attempt_never_takes_the_place_held_for_an_identical_request():
     """Two identical requests of one tenant (the same prompt sent twice, an eval set's repeats) share a
     body, so a place held for the first one's retry is found by the second's body too. A client that

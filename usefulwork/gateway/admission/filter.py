@@ -65,11 +65,11 @@ _MESSAGES = {
 }
 
 
-def _retried(raw: bytes | None) -> bool | None:
-    """The client's SDK says this attempt is a retry (True) or its first attempt (False); None: it does not
+def _retried(raw: bytes | None) -> int | None:
+    """The client's SDK numbers this attempt: its retry number (0: its first attempt); None: it does not
     say (no count, or a malformed one), and a retry is found by its body."""
     try:
-        return None if raw is None else int(raw) > 0
+        return None if raw is None else max(0, int(raw))
     except ValueError:
         return None
 
@@ -166,7 +166,8 @@ class AdmissionFilter:
                                               tenant_active_s=self.cfg.tenant_active_s,
                                               low_band_prefills=self.cfg.low_band_prefills,
                                               max_queue=self.cfg.max_queue, e2e_slo_s=self.slo.e2e_ms / 1000.0,
-                                              return_prior=self.cfg.retry_return_prior)
+                                              return_prior=self.cfg.retry_return_prior,
+                                              shared_returns=self.fair_sync is not None)
         return q
 
     # -- the filter --
@@ -415,11 +416,21 @@ class AdmissionFilter:
     async def _sync_loop(self) -> None:
         while True:
             await asyncio.sleep(self.fair_sync.interval_s)
-            for name, q in list(self.queues.items()):
+            await self.sync_once()
+
+    async def sync_once(self) -> None:
+        """Share the fair-share counters and settle the retries' returns with the other replicas."""
+        down = False
+        for name, q in list(self.queues.items()):
+            placeless, unclaimed = q.take_returns()
+            came_back: dict = {}
+            if not down:
                 try:
                     await self.fair_sync.sync(name, q.counters)
+                    came_back = await self.fair_sync.returns(name, placeless, unclaimed)
                 except Exception:  # noqa: BLE001 - Redis down: local counters until it is back (limits log it)
-                    break
+                    down = True  # (and the places let go here are learnt from this replica alone)
+            q.settle_returns(unclaimed, came_back)
 
     async def stop(self) -> None:
         await cancel_and_wait(self._sync_task)

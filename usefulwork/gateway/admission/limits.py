@@ -22,6 +22,7 @@ Redis again every ``redis_retry_s`` and logs once more when it is back.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
@@ -288,18 +289,44 @@ class FailoverLimits:
         await self.shared.close()
 
 
+RETURN_WINDOW_S = 10.0  # a retry that found no place is matched to a place let go within this
+
+# Per key (a pool, tenant and shed count): drop returns older than the window, add ARGV's count of new
+# ones (members named by the call), then pop as many as asked (places let go): how many were popped.
+_RETURNS = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local window, id = tonumber(ARGV[1]), ARGV[2]
+local out = {}
+for i, key in ipairs(KEYS) do
+  local add, want = tonumber(ARGV[2 * i + 1]), tonumber(ARGV[2 * i + 2])
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now - window)
+  for j = 1, add do redis.call('ZADD', key, now, id .. ':' .. i .. ':' .. j) end
+  local got = 0
+  if want > 0 then got = #redis.call('ZPOPMIN', key, want) / 2 end
+  if redis.call('EXISTS', key) == 1 then redis.call('EXPIRE', key, math.ceil(window)) end
+  out[i] = got
+end
+return out
+"""
+
+
 class FairShareSync:
     """Virtual Token Counters shared by gateway processes: each process adds what it served since the
     last sync to a Redis hash per pool and takes the fleet-wide sums back (every ``interval_s``).
 
     A tenant served by another gateway then waits its turn here too. Between syncs a process works on
-    its local view; a failed sync keeps the local counters and tries again next time."""
+    its local view; a failed sync keeps the local counters and tries again next time. The same loop
+    settles the retries' returns across processes (``returns``)."""
 
     def __init__(self, r, prefix: str, interval_s: float = 1.0):
         self.r = r  # a redis.asyncio.Redis (RedisLimits.r)
         self.prefix = prefix
         self.interval_s = interval_s
         self._synced: dict[str, dict[str, float]] = {}  # pool -> counters as of the last sync
+        self._returns = r.register_script(_RETURNS)
+        self.return_window_s = RETURN_WINDOW_S
+        self._id, self._calls = os.urandom(6).hex(), 0  # (names this process's returns in the ledger)
 
     async def sync(self, pool: str, counters: dict[str, float]) -> None:
         base = self._synced.get(pool, {})
@@ -317,3 +344,20 @@ class FairShareSync:
         for t, v in fleet.items():
             counters[t] = v + late.get(t, 0.0)
         self._synced[pool] = {t: counters[t] - late.get(t, 0.0) for t in counters}
+
+    async def returns(self, pool: str, placeless: dict[tuple[str, int], int],
+                      unclaimed: dict[tuple[str, int], int]) -> dict[tuple[str, int], int]:
+        """The fleet's ledger of retry returns (``PoolQueue.take_returns``): add this replica's retries that
+        found no place for their tenant, per (tenant, shed count), and take back as many as it let places
+        go unclaimed (each such retry's place was held by another replica, or here). One script call; a
+        return older than ``return_window_s`` is dropped unmatched (a place is let go within its grace and
+        a sync of the retry's arrival). Returns how many of ``unclaimed`` came back, per key."""
+        keys = sorted(set(placeless) | set(unclaimed))
+        if not keys:
+            return {}
+        self._calls += 1
+        argv: list = [self.return_window_s, f"{self._id}:{self._calls}"]
+        for k in keys:
+            argv += [placeless.get(k, 0), unclaimed.get(k, 0)]
+        got = await self._returns(keys=[f"{self.prefix}:returns:{pool}:{t}:{n}" for t, n in keys], args=argv)
+        return {k: int(g) for k, g in zip(keys, got) if int(g)}

@@ -95,9 +95,9 @@ class Ticket:
     key: int = 0  # identifies a retry of the same request (tenant + body): its reserved place
     since: float | None = None  # a retry that took back its place: when that place was promised (it queues by this)
     sheds: int = 0  # a retry that took back its place: how many times in a row this request was shed before
-    # The client numbers its attempts (``x-stainless-retry-count``): True a retry, place held here or not;
-    # False a first attempt (never a retry, whatever its body); None it does not say (found by its body).
-    retried: bool | None = None
+    # The client numbers its attempts (``x-stainless-retry-count``): its retry number, place held here or
+    # not (0: a first attempt, never a retry whatever its body); None: it does not say (found by its body).
+    retried: int | None = None
     state: State = "new"
     admitted_at: float | None = None
     inflight_at_admit: int = 0
@@ -158,6 +158,9 @@ class PoolQueue:
     _promised_at: dict[tuple[str, int], list[float]] = field(default_factory=dict)  # the same -> when they were promised, sorted
     retries_honoured: int = 0
     retries_placeless: int = 0  # retries (by their client's count) that found no place held here for their tenant
+    shared_returns: bool = False  # returns are settled with other replicas (``take_returns``, ``settle_returns``)
+    _placeless: dict[tuple[str, int], int] = field(default_factory=dict)  # (tenant, shed count) -> retries with no place here
+    _unclaimed: dict[tuple[str, int], int] = field(default_factory=dict)  # the same -> places let go, not learnt yet
     return_prior: float = 0.5  # return rate of a tenant with no ended reservation yet
     return_prior_weight: float = 1.0  # how many ended reservations the prior counts as (one: the first outcomes decide)
     returns: dict[str, tuple[float, float]] = field(default_factory=dict)  # tenant -> (taken back, ended), decayed
@@ -440,7 +443,7 @@ class PoolQueue:
             self._top_seen = now
         # (A first attempt the client numbered is not a retry: an identical request of the same tenant in
         # flight, or shed, must not give it the place held for that one's retry.)
-        held = self._take_reservation(0 if t.retried is False else t.key, now, t.tenant if t.retried else None)
+        held = self._take_reservation(0 if t.retried == 0 else t.key, now, t.tenant if t.retried else None)
         if held is None and t.retried:
             # A retry with no place here at all: the gateway replica that shed it holds its place (this one
             # holds none left for its tenant), or its place was let go while it waited. Its client waited
@@ -449,8 +452,11 @@ class PoolQueue:
             # each learns its own limit and the one that sheds least runs out of places for the retries it
             # receives: first retries admitted 68.5% -> 76.3% over seeds 1-3, all served within the SLO;
             # docs/benchmarks.md section 7, session 37.)
-            held = (now, now, 1)
+            held = (now, now, int(t.retried))  # (each attempt before this one was shed, as a 429 is retried)
             self.retries_placeless += 1
+            if self.shared_returns:  # its place, held elsewhere, goes unclaimed there: it did come back
+                k = (t.tenant, min(int(t.retried), MAX_SHED_COUNT))
+                self._placeless[k] = self._placeless.get(k, 0) + 1
         if held is not None:
             t.since, t.sheds = held[1], held[2]
         budget = self.budget(t, now)
@@ -566,6 +572,28 @@ class PoolQueue:
         back, ended = self.returns_by_count.get((tenant, min(sheds, MAX_SHED_COUNT)), (0.0, 0.0))
         return (back + rate * w) / (ended + w)
 
+    def take_returns(self) -> tuple[dict[tuple[str, int], int], dict[tuple[str, int], int]]:
+        """(retries that found no place for their tenant here, places let go here with nobody back for
+        them) since the last call, per (tenant, shed count): what a replica sends to the fleet's ledger of
+        returns (``shared_returns``). Behind several gateway replicas a client's retry reaches another
+        replica than the one that held its place n - 1 times in n; a replica that sheds more than the
+        others holds more places than retries reach it, and learnt its returning clients as not coming
+        back (the retrying tenant's return rate 0.57-0.98 per replica behind three, 0.94-0.97 with each
+        client's attempts kept on one), so its Retry-After counted too few places ahead. Settled through
+        Redis, first retries admitted behind three real gateways 71.8% -> 79.4% (seeds 1-3; sticky 81.5%:
+        docs/benchmarks.md section 7, session 37)."""
+        out = self._placeless, self._unclaimed
+        self._placeless, self._unclaimed = {}, {}
+        return out
+
+    def settle_returns(self, unclaimed: dict[tuple[str, int], int], came_back: dict[tuple[str, int], int]) -> None:
+        """Learn the places of ``unclaimed`` (from ``take_returns``): ``came_back[k]`` of them as taken back
+        (their clients' retries reached other replicas, which found no place for them), the rest not."""
+        for (tenant, sheds), n in unclaimed.items():
+            back = min(n, came_back.get((tenant, sheds), 0))
+            for i in range(n):
+                self._learn_return(tenant, sheds, i < back)
+
     def _learn_return(self, tenant: str, sheds: int, returned: bool) -> None:
         keep = 1.0 - RETURN_EWMA  # older outcomes fade: a tenant's clients may change
         for table, k in ((self.returns, tenant), (self.returns_by_count, (tenant, min(sheds, MAX_SHED_COUNT)))):
@@ -589,7 +617,10 @@ class PoolQueue:
         i = 0
         while i < len(r) and r[i][0] + RESERVATION_GRACE_S < now:
             held = self._unhold(r[i][1])
-            if held is not None:
+            if held is not None and self.shared_returns:  # its client may have come back elsewhere: settled later
+                k = (held[1], min(held[3], MAX_SHED_COUNT))
+                self._unclaimed[k] = self._unclaimed.get(k, 0) + 1
+            elif held is not None:
                 self._learn_return(held[1], held[3], False)  # expired: nobody came back for it
             i += 1
         if i:
