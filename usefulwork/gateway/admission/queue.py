@@ -452,11 +452,11 @@ class PoolQueue:
             # each learns its own limit and the one that sheds least runs out of places for the retries it
             # receives: first retries admitted 68.5% -> 76.3% over seeds 1-3, all served within the SLO;
             # docs/benchmarks.md section 7, session 37.)
-            held = (now, now, int(t.retried))  # (each attempt before this one was shed, as a 429 is retried)
+            sheds = min(int(t.retried), MAX_SHED_COUNT)  # (each attempt before it was shed, as 429s are retried)
+            held = (now, now, sheds)
             self.retries_placeless += 1
             if self.shared_returns:  # its place, held elsewhere, goes unclaimed there: it did come back
-                k = (t.tenant, min(int(t.retried), MAX_SHED_COUNT))
-                self._placeless[k] = self._placeless.get(k, 0) + 1
+                self._placeless[(t.tenant, sheds)] = self._placeless.get((t.tenant, sheds), 0) + 1
         if held is not None:
             t.since, t.sheds = held[1], held[2]
         budget = self.budget(t, now)
