@@ -173,13 +173,17 @@ class _OwnQueue:
     """Each request is answered by the gateway (queue) that admitted it: its answer releases that
     gateway's slot, its first token frees that gateway's prefill place. (Mixed into a Simulation.)"""
 
-    def _own(self, req: Any, fn: Any) -> None:
-        """Run ``fn`` with the queue that admitted ``req``."""
-        mine, self.queue = self.queue, getattr(req, "queue", None) or self.queue
+    def _with(self, queue: Any, fn: Any) -> None:
+        """Run ``fn`` with ``queue`` as the gateway's queue."""
+        mine, self.queue = self.queue, queue
         try:
             fn()
         finally:
             self.queue = mine
+
+    def _own(self, req: Any, fn: Any) -> None:
+        """Run ``fn`` with the queue that admitted ``req``."""
+        self._with(getattr(req, "queue", None) or self.queue, fn)
 
     def _finish_attempt(self, req: Any, ok: bool) -> None:
         self._own(req, lambda: autoscale.Simulation._finish_attempt(self, req, ok))
@@ -202,13 +206,8 @@ class GatewaysSim(_OwnQueue, autoscale.Simulation):
         self._next = 0
 
     def _each(self, fn: Any) -> None:
-        mine = self.queue
-        try:
-            for q in self.gateways:
-                self.queue = q
-                fn()
-        finally:
-            self.queue = mine
+        for q in self.gateways:
+            self._with(q, fn)
 
     def _send(self, req: Any) -> None:
         self.queue = self.gateways[self._next % len(self.gateways)]
