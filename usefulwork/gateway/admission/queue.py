@@ -65,7 +65,7 @@ import bisect
 import heapq
 import itertools
 import math
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
@@ -159,8 +159,8 @@ class PoolQueue:
     retries_honoured: int = 0
     retries_placeless: int = 0  # retries (by their client's count) that found no place held here for their tenant
     shared_returns: bool = False  # returns are settled with other replicas (``take_returns``, ``settle_returns``)
-    _placeless: dict[tuple[str, int], int] = field(default_factory=dict)  # (tenant, shed count) -> retries with no place here
-    _unclaimed: dict[tuple[str, int], int] = field(default_factory=dict)  # the same -> places let go, not learnt yet
+    _placeless: Counter[tuple[str, int]] = field(default_factory=Counter)  # (tenant, shed count) -> retries with no place here
+    _unclaimed: Counter[tuple[str, int]] = field(default_factory=Counter)  # the same -> places let go, not learnt yet
     return_prior: float = 0.5  # return rate of a tenant with no ended reservation yet
     return_prior_weight: float = 1.0  # how many ended reservations the prior counts as (one: the first outcomes decide)
     returns: dict[str, tuple[float, float]] = field(default_factory=dict)  # tenant -> (taken back, ended), decayed
@@ -456,7 +456,7 @@ class PoolQueue:
             held = (now, now, sheds)
             self.retries_placeless += 1
             if self.shared_returns:  # its place, held elsewhere, goes unclaimed there: it did come back
-                self._placeless[(t.tenant, sheds)] = self._placeless.get((t.tenant, sheds), 0) + 1
+                self._placeless[(t.tenant, sheds)] += 1
         if held is not None:
             t.since, t.sheds = held[1], held[2]
         budget = self.budget(t, now)
@@ -583,7 +583,7 @@ class PoolQueue:
         Redis, first retries admitted behind three real gateways 71.8% -> 79.4% (seeds 1-3; sticky 81.5%:
         docs/benchmarks.md section 7, session 37)."""
         out = self._placeless, self._unclaimed
-        self._placeless, self._unclaimed = {}, {}
+        self._placeless, self._unclaimed = Counter(), Counter()
         return out
 
     def settle_returns(self, unclaimed: dict[tuple[str, int], int], came_back: dict[tuple[str, int], int]) -> None:
@@ -618,8 +618,7 @@ class PoolQueue:
         while i < len(r) and r[i][0] + RESERVATION_GRACE_S < now:
             held = self._unhold(r[i][1])
             if held is not None and self.shared_returns:  # its client may have come back elsewhere: settled later
-                k = (held[1], min(held[3], MAX_SHED_COUNT))
-                self._unclaimed[k] = self._unclaimed.get(k, 0) + 1
+                self._unclaimed[(held[1], min(held[3], MAX_SHED_COUNT))] += 1
             elif held is not None:
                 self._learn_return(held[1], held[3], False)  # expired: nobody came back for it
             i += 1
