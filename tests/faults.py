@@ -19,6 +19,7 @@ class KillableForwarder:
         self.writers: set[asyncio.StreamWriter] = set()
         self.port = 0
         self.connections = 0
+        self.posts = 0  # POST requests carried towards the target (one HTTP/1.1 request per read: no pipelining)
         self.drop_replies = False  # set: answers are lost on the way back (the request was served)
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
@@ -38,6 +39,8 @@ class KillableForwarder:
     async def _pipe(self, r: asyncio.StreamReader, w: asyncio.StreamWriter, reply: bool = False) -> None:
         try:
             while data := await r.read(65536):
+                if not reply and data.startswith(b"POST "):
+                    self.posts += 1
                 if reply and self.drop_replies:
                     w.transport.abort()  # the target did the work; its answer never arrives
                     return

@@ -30,6 +30,27 @@ def _wait_running(vllm_server, target: float, timeout: float) -> float:
     return value
 
 
+def _stream_through(fwd: KillableForwarder, gw, create, tries: int = 3):
+    """A stream that rides the forwarder (whose first chunk has arrived).
+
+    Both replicas front the same vLLM, so the picker may place the stream on either: the one whose last
+    /metrics scrape saw fewer requests running, or the direct one while the forwarder is judged down (a
+    stall of this process, where the forwarder's thread runs, times its health check out). A stream placed
+    elsewhere is closed and placed again once the gateway sees both replicas healthy."""
+    for _ in range(tries):
+        deadline = time.monotonic() + 30
+        while not all(r["healthy"] for r in httpx.get(gw.url + "/readyz").json()["pools"]["local"]["replicas"]):
+            assert time.monotonic() < deadline, "the gateway never saw both replicas healthy"
+            time.sleep(0.2)
+        posts = fwd.posts
+        stream = create()
+        assert next(iter(stream)) is not None
+        if fwd.posts > posts:
+            return stream
+        stream.close()
+    pytest.fail(f"no stream rode the forwarder in {tries} tries")
+
+
 def test_client_disconnect_cancels_upstream(gateway, vllm_server):
     baseline = _wait_running(vllm_server, 0, 30)
     body = dict(LONG, model=vllm_server.model)
@@ -61,11 +82,9 @@ def test_failover_when_a_replica_dies_mid_run(vllm_server, tmp_path):
                                                messages=[{"role": "user", "content": f"Number {i}?"}])
             return r.choices[0].message.content is not None
 
-        # A stream pinned through the doomed replica (it is the least loaded at first, both idle).
-        doomed = client.chat.completions.create(model=vllm_server.model, messages=LONG["messages"], max_tokens=400,
-                                                stream=True, extra_body={"ignore_eos": True})
-        first = next(iter(doomed))
-        assert first is not None
+        doomed = _stream_through(fwd, gw, lambda: client.chat.completions.create(
+            model=vllm_server.model, messages=LONG["messages"], max_tokens=400, stream=True,
+            extra_body={"ignore_eos": True}))
         with cf.ThreadPoolExecutor(4) as ex:
             before = list(ex.map(unary, range(4)))
             fwd.kill()  # the replica dies: resets every open connection, refuses new ones
