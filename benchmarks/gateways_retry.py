@@ -164,7 +164,8 @@ def run(n_gateways: int, seed: int, scale: float, workdir: Path, sticky: bool = 
             "first_retry_shed_reasons": {x: sum(1 for r in retried if r.get("first_retry_reason") == x)
                                          for x in {r.get("first_retry_reason") for r in retried if r["first_retry"] == "shed"}},
             "told_s_median": float(np.median([r["told_s"] for r in back if "told_s" in r])) if any("told_s" in r for r in back) else None,
-            "per_gateway": [{"retries_honoured": p["retries_honoured"], "retries_placeless": p.get("retries_placeless"), "shed": p["shed"],
+            "per_gateway": [{"retries_honoured": p["retries_honoured"], "retries_placeless": p.get("retries_placeless"),
+                             "retries_unproven": p.get("retries_unproven"), "shed": p["shed"],
                              "retry_return_rate": p["retry_return_rate"], "limit": p["capacity"]["limit"]} for p in pools]}
 
 

@@ -409,6 +409,8 @@ def test_two_replicas_settle_a_retrys_return_through_redis(redis_url):
         try:
             qa._reserve(1.0, 5, "acme", 0.0)  # A shed acme's request: its place, due at 1 s
             qa._reserve(1.0, 6, "acme", 0.0)  # and another's, whose client never comes back
+            qb._reserve(0.5, 7, "acme", 0.0)  # B shed acme's requests too (round robin)
+            qb._unhold(7)  # and that place was taken back on A
             retry = Ticket("acme", 0, 100.0, 1.0, 3.0, key=5, retried=1)
             qb.offer(retry, 1.0)  # the retry reaches B, which holds no place for acme
             assert qb.retries_placeless == 1

@@ -312,10 +312,11 @@ def test_a_retry_with_no_place_here_for_its_tenant_is_priced_as_holding_a_place_
     q.return_prior = 1.0
     running = ticket(0.0)
     q.offer(running, 0.0)
-    shed = [ticket(0.1, tenant="b", deadline_s=0.5), ticket(0.2, tenant="b", deadline_s=0.5)]
+    shed = [ticket(0.05, deadline_s=0.5), ticket(0.1, tenant="b", deadline_s=0.5), ticket(0.2, tenant="b", deadline_s=0.5)]
     for i, t in enumerate(shed):
-        t.key = i + 1
+        t.key = i or 10
         assert q.offer(t, t.arrival).kind == "shed"
+    q._unhold(10)  # tenant a's place, held here lately, was taken back (on another replica): none left here
     first_due = q._held[1][0]
     now = first_due - 0.3  # tenant b's places fall due within a new request's budget, none due yet
     q.release(running, now)
@@ -326,6 +327,40 @@ def test_a_retry_with_no_place_here_for_its_tenant_is_priced_as_holding_a_place_
     retry.key, retry.retried = 99, 1  # shed by another gateway replica; no place here for tenant a
     assert q.offer(retry, now).kind == "admit" and q.retries_placeless == 1 and q.retries_honoured == 0
     assert {1, 2} <= set(q._held)  # tenant b's places stay held for its own clients
+
+
+def test_a_tenant_never_shed_here_gains_nothing_by_numbering_its_requests_as_retries():
+    """The retry count is the client's to send. A place-less retry is priced as due now only while its
+    tenant's place-less retries here stay within ``PLACELESS_PER_SHED`` per place held for it lately; a
+    client that numbers every request as a retry is otherwise priced as the first attempt it is, behind
+    the places promised to other tenants' retries, and does not take their slots."""
+    from usefulwork.gateway.admission.queue import PLACELESS_PER_SHED
+
+    q = make_queue(limit=1, service_s=1.0)
+    q.return_prior = 1.0
+    running = ticket(0.0)
+    q.offer(running, 0.0)
+    shed = [ticket(0.1, tenant="b", deadline_s=0.5), ticket(0.2, tenant="b", deadline_s=0.5)]
+    for i, t in enumerate(shed):
+        t.key = i + 1
+        assert q.offer(t, t.arrival).kind == "shed"
+    now = q._held[1][0] - 0.3  # tenant b's places fall due within a new request's budget, none due yet
+    q.release(running, now)
+    liar = ticket(now, tenant="c", deadline_s=0.5)
+    liar.key, liar.retried = 90, 3
+    assert q.offer(liar, now).kind == "shed" and liar.since is None  # a first attempt: b's places ahead
+    assert q.retries_unproven == 1 and {1, 2} <= set(q._held) and q.inflight == 0
+    # Tenant b held two places here: up to twice as many of its retries with no place left are priced as
+    # due now. (Sheddable, so that those shed hold no new place.)
+    for key in (1, 2):
+        q._unhold(key)  # (taken back on other replicas)
+    priced = []
+    for n in range(int(2 * PLACELESS_PER_SHED) + 1):
+        retry = ticket(now, tenant="b", cls=2, deadline_s=0.5)
+        retry.key, retry.retried = 80 + n, 1
+        q.offer(retry, now)
+        priced.append(retry.since is not None)
+    assert priced == [True] * int(2 * PLACELESS_PER_SHED) + [False] and q.retries_unproven == 2
 
 
 def test_places_let_go_behind_several_replicas_are_learnt_from_the_fleets_returns():
@@ -340,6 +375,10 @@ def test_places_let_go_behind_several_replicas_are_learnt_from_the_fleets_return
         shed = ticket(0.1, deadline_s=0.5)
         shed.key = 5
         assert a.offer(shed, 0.1).kind == "shed"  # replica A holds its place
+        other = ticket(0.1, deadline_s=0.5)
+        other.key = 6
+        assert b.offer(other, 0.1).kind == "shed"  # B sheds the tenant's requests too (round robin)
+        b._unhold(6)  # (that place taken back on A)
         due = a._held[5][0]
         retry = ticket(due, deadline_s=0.5)
         retry.key, retry.retried = 5, 1  # its retry reaches replica B, which holds no place for the tenant

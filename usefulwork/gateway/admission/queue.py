@@ -77,6 +77,8 @@ RESERVATION_GRACE_S = 2.0  # how long past its Retry-After a shed request's plac
 RESERVATION_LATE_S = 0.25  # a place this far past its time no longer counts ahead of a returning retry
 RETURN_EWMA = 0.05  # weight of one ended reservation in the return rate
 MAX_SHED_COUNT = 8  # return rates are learnt per shed count up to this (later sheds share the last)
+PLACELESS_PER_SHED = 2.0  # place-less retries priced as due now, per place this replica held for the tenant lately
+PLACELESS_TAU_S = 30.0  # time constant over which that allowance fades
 OVERSHOOT = 1.1  # a queued ticket at its latest start may exceed the limit by this factor (one cut's worth)
 QUEUE_SAFETY = 0.75  # queue only when the predicted wait leaves a quarter of the budget spare (slots free in clumps)
 State = Literal["new", "queued", "admitted", "released", "shed", "cancelled"]
@@ -158,6 +160,8 @@ class PoolQueue:
     _promised_at: dict[tuple[str, int], list[float]] = field(default_factory=dict)  # the same -> when they were promised, sorted
     retries_honoured: int = 0
     retries_placeless: int = 0  # retries (by their client's count) that found no place held here for their tenant
+    retries_unproven: int = 0  # of those, priced as first attempts: their tenant held too few places here lately
+    _placeless_allowed: dict[str, tuple[float, float]] = field(default_factory=dict)  # tenant -> (allowance, at)
     shared_returns: bool = False  # returns are settled with other replicas (``take_returns``, ``settle_returns``)
     _placeless: Counter[tuple[str, int]] = field(default_factory=Counter)  # (tenant, shed count) -> retries with no place here
     _unclaimed: Counter[tuple[str, int]] = field(default_factory=Counter)  # the same -> places let go, not learnt yet
@@ -452,11 +456,14 @@ class PoolQueue:
             # each learns its own limit and the one that sheds least runs out of places for the retries it
             # receives: first retries admitted 68.5% -> 76.3% over seeds 1-3, all served within the SLO;
             # docs/benchmarks.md section 7, session 37.)
-            sheds = min(int(t.retried), MAX_SHED_COUNT)  # (each attempt before it was shed, as 429s are retried)
-            held = (now, now, sheds)
             self.retries_placeless += 1
-            if self.shared_returns:  # its place, held elsewhere, goes unclaimed there: it did come back
-                self._placeless[(t.tenant, sheds)] += 1
+            sheds = min(int(t.retried), MAX_SHED_COUNT)  # (each attempt before it was shed, as 429s are retried)
+            if self._placeless_allow(t.tenant, now):
+                held = (now, now, sheds)
+                if self.shared_returns:  # its place, held elsewhere, goes unclaimed there: it did come back
+                    self._placeless[(t.tenant, sheds)] += 1
+            else:
+                self.retries_unproven += 1
         if held is not None:
             t.since, t.sheds = held[1], held[2]
         budget = self.budget(t, now)
@@ -594,6 +601,28 @@ class PoolQueue:
             for i in range(n):
                 self._learn_return(tenant, sheds, i < back)
 
+    def _placeless_grant(self, tenant: str, now: float, n: float) -> float:
+        """Add ``n`` to ``tenant``'s allowance of place-less retries priced as due now (fading with time
+        constant ``PLACELESS_TAU_S``); returns it."""
+        left, at = self._placeless_allowed.get(tenant, (0.0, now))
+        left = left * math.exp(-max(0.0, now - at) / PLACELESS_TAU_S) + n
+        self._placeless_allowed[tenant] = (left, max(at, now))
+        return left
+
+    def _placeless_allow(self, tenant: str, now: float) -> bool:
+        """Whether a retry of ``tenant`` with no place here is priced as holding a place due now: while the
+        tenant's place-less retries here are at most ``PLACELESS_PER_SHED`` per place this replica held for
+        it lately. The retry count is the client's to send: a client that numbered every request as a
+        retry was priced ahead of every place held here for other tenants' retries within its budget, and
+        took the slots promised to them. Behind N replicas that each shed a tenant's requests in
+        proportion, each receives about as many of its retries as it held places for it; the one that
+        sheds least runs short by a few in ten (session 36: 79 places held against ~98 retries
+        received), well within the allowance."""
+        if self._placeless_grant(tenant, now, 0.0) <= 0.0:
+            return False
+        self._placeless_grant(tenant, now, -1.0)
+        return True
+
     def _learn_return(self, tenant: str, sheds: int, returned: bool) -> None:
         keep = 1.0 - RETURN_EWMA  # older outcomes fade: a tenant's clients may change
         for table, k in ((self.returns, tenant), (self.returns_by_count, (tenant, min(sheds, MAX_SHED_COUNT)))):
@@ -627,6 +656,7 @@ class PoolQueue:
 
     def _reserve(self, at: float, key: int, tenant: str, since: float, sheds: int = 1) -> None:
         """Hold a place at ``at`` for the retry of ``key``, promised at ``since`` after its ``sheds``-th shed."""
+        self._placeless_grant(tenant, since, PLACELESS_PER_SHED)
         old = self._unhold(key)
         if old is not None:
             self.reservations.remove((old[0], key))
@@ -948,6 +978,7 @@ class PoolQueue:
                 "prefill_pending": self.pending, "prefill_pending_low_band": self.pending_low,
                 "retry_reservations": len(self.reservations), "retries_honoured": self.retries_honoured,
                 "retries_placeless": self.retries_placeless,
+                "retries_unproven": self.retries_unproven,
                 "retry_return_rate": {k: round(self.return_rate(k), 3) for k in self.returns},
                 "retry_return_rate_by_shed": {
                     k: {str(n): round(self.return_rate(k, n), 3) for (u, n) in sorted(self.returns_by_count) if u == k}
