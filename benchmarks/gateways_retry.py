@@ -118,18 +118,31 @@ async def request(client: httpx.AsyncClient, lb: Balancer, i: int, tenant: str, 
     return out
 
 
+def _drop_keys(url: str, prefix: str) -> None:
+    import redis
+
+    r = redis.Redis.from_url(url)
+    try:
+        keys = list(r.scan_iter(match=f"{prefix}:*", count=1000))
+        if keys:
+            r.delete(*keys)
+    finally:
+        r.close()
+
+
 def run(n_gateways: int, seed: int, scale: float, workdir: Path, sticky: bool = False,
         redis_url: str | None = None) -> dict[str, Any]:
     sim = SimProcess(gpu="A100-80G", model="Llama-3.1-8B", served_name=MODEL, port=free_port(), time_scale=scale,
                      log_path=workdir / "sim.log")
     sim.start()
     gateways: list[Gateway] = []
+    prefix = f"uw-gr-{time.time_ns()}"  # this run's Redis keys, removed when it ends
     try:
         sim.wait_ready(timeout_s=60)
         cfg = {"pools": [{"name": "a100", "models": [MODEL], "replicas": [sim.base_url]}],
                "filters": ["admission"],
                "slo": {"ttft_ms": SLO[0] * 1e3 / scale, "tpot_ms": SLO[1] * 1e3 / scale, "e2e_ms": SLO[2] * 1e3 / scale},
-               "admission": _admission_in_wall_time({"redis_url": redis_url, "redis_prefix": f"uw-gr-{time.time_ns()}"}
+               "admission": _admission_in_wall_time({"redis_url": redis_url, "redis_prefix": prefix}
                                                     if redis_url else {}, scale),
                "tenants": {t: {"key_hashes": [hash_key(k)]} for t, k in KEYS.items()},
                "access": {"admin_key_hashes": [hash_key(ADMIN)]},
@@ -153,6 +166,8 @@ def run(n_gateways: int, seed: int, scale: float, workdir: Path, sticky: bool = 
         for g in gateways:
             g.stop()
         sim.stop()
+        if redis_url:
+            _drop_keys(redis_url, prefix)
     back = [r for r in reqs if r["tenant"] == "retrying"]
     retried = [r for r in back if r["first_retry"]]
     served = [r for r in back if r["outcome"] == "ok"]
