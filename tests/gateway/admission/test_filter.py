@@ -169,6 +169,30 @@ def test_shed_at_arrival_is_429_with_retry_after_and_reason():
     assert f.stats()["pools"]["p"]["shed_demand"] == 1  # and /usefulwork/stats shows it
 
 
+def test_retries_are_exported_by_how_they_were_priced():
+    """A shed request's retry takes its held place (held); a tenant's retry with no place left here is
+    priced as holding one due now (due_now); a request numbered as a retry whose tenant was never shed
+    here is priced as a first attempt (unproven). Driven on the pool's queue with a virtual clock."""
+    from usefulwork.gateway.admission.queue import Ticket
+
+    reader = InMemoryMetricReader()
+    meter = MeterProvider(metric_readers=[reader]).get_meter("t")
+    f = make_filter(make_cfg(admission={"initial_concurrency": 1, "max_concurrency": 1}), meter=meter)
+    q = f.queue_for(make_call(f))
+    q.capacity.service, q.capacity.svc_ttft = 10.0, 0.1  # one slot frees every 10 s
+    assert q.offer(Ticket("acme", 0, 100.0, 0.0, 2.0), 0.0).kind == "admit"
+    assert q.offer(Ticket("acme", 0, 100.0, 0.1, 2.1, key=5, retried=0), 0.1).kind == "shed"
+    assert q.offer(Ticket("acme", 0, 100.0, 0.2, 2.2, key=5, retried=1), 0.2).kind == "shed"  # held
+    late = max(at for at, _ in q.reservations) + 3.0  # its places let go (past their grace); two held here lately
+    q.offer(Ticket("acme", 0, 100.0, late, late + 2.0, key=6, retried=2), late)  # due_now
+    q.offer(Ticket("zed", 0, 100.0, late, late + 2.0, key=7, retried=3), late)  # never shed here: unproven
+    names = {m.name: m for rm in reader.get_metrics_data().resource_metrics for sm in rm.scope_metrics
+             for m in sm.metrics}
+    got = {p.attributes["place"]: p.value for p in names["usefulwork.admission.retries"].data.data_points}
+    assert got == {"held": 1, "due_now": 1, "unproven": 1}
+    assert f.stats()["pools"]["p"]["retries_unproven"] == 1
+
+
 def test_deadline_passing_in_queue_is_a_429_at_the_deadline():
     f = make_filter(make_cfg(admission={"initial_concurrency": 1, "max_concurrency": 1}, slo={"ttft_ms": 200}))
 

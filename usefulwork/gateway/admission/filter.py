@@ -16,7 +16,8 @@ record (``ctx.priority``, ``ctx.admission``, ``ctx.queue_ms``, ``ctx.shed_reason
 ``usefulwork.admission.queue.depth`` (pool, priority), ``usefulwork.admission.queue.wait``,
 ``usefulwork.admission.sheds`` (pool, priority, reason), ``usefulwork.admission.limit`` (pool),
 ``usefulwork.admission.shed.demand`` (pool: the requests shed within the last service time, which an
-autoscaler adds to the queued and running ones).
+autoscaler adds to the queued and running ones), ``usefulwork.admission.retries`` (pool, place: how the
+retries of shed requests were priced).
 """
 
 from __future__ import annotations
@@ -146,6 +147,17 @@ class AdmissionFilter:
                                                   "the demand admission turned away, as requests in flight.")
         meter.create_observable_gauge("usefulwork.admission.limit", [limit], unit="{request}",
                                       description="The adaptive in-flight limit of each pool.")
+
+        def retries(_options):
+            return [Observation(n, {"pool": name, "place": place}) for name, q in self.queues.items()
+                    for place, n in (("held", q.retries_honoured), ("due_now", q.retries_placeless - q.retries_unproven),
+                                     ("unproven", q.retries_unproven))]
+
+        meter.create_observable_counter("usefulwork.admission.retries", [retries], unit="{request}",
+                                        description="Retries of shed requests by how they were priced: taking a place "
+                                                    "held here (held), with none left here, as holding one due now "
+                                                    "(due_now), or as a first attempt (unproven: more numbered retries "
+                                                    "than their tenant was held places for lately).")
         self._wait_hist = meter.create_histogram("usefulwork.admission.queue.wait", unit="s",
                                                  description="Time admitted requests spent in the admission queue.")
         self._sheds = meter.create_counter("usefulwork.admission.sheds", unit="{request}",
