@@ -47,6 +47,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def drop_redis_keys(redis_url: str, prefix: str) -> None:
+    """Delete a test's Redis keys (those starting with ``prefix``)."""
+    import redis
+
+    r = redis.Redis.from_url(redis_url)
+    keys = r.keys(prefix + "*")
+    if keys:
+        r.delete(*keys)
+
+
 def child_pids(pid: int) -> list[int]:
     """The live child processes of ``pid`` (pgrep -P), sorted."""
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()

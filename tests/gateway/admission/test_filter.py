@@ -10,6 +10,7 @@ import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
+from tests.conftest import drop_redis_keys
 from usefulwork.config import from_mapping
 from usefulwork.gateway.admission.filter import AdmissionFilter
 from usefulwork.gateway.context import NullAccountant, RequestContext
@@ -284,12 +285,7 @@ def test_rpm_then_budget_enforced_with_429_and_clear_message(store, request):
             spend.append(r)
         if adm:
             await f.stop()  # (grants given back)
-            import redis
-
-            r = redis.Redis.from_url(adm["redis_url"])
-            keys = r.keys(adm["redis_prefix"] + "*")
-            if keys:
-                r.delete(*keys)
+            drop_redis_keys(adm["redis_url"], adm["redis_prefix"])
         return out, spend
 
     out, spend = asyncio.run(go())
@@ -419,8 +415,6 @@ def test_two_replicas_settle_a_retrys_return_through_redis(redis_url):
     taken back; a place whose client never came back is learnt as not."""
     import uuid
 
-    import redis
-
     from usefulwork.gateway.admission.queue import RESERVATION_GRACE_S, Ticket
 
     adm = {"redis_url": redis_url, "redis_prefix": f"uwtest:{uuid.uuid4().hex}"}
@@ -448,9 +442,6 @@ def test_two_replicas_settle_a_retrys_return_through_redis(redis_url):
         finally:
             await fa.stop()
             await fb.stop()
-            r = redis.Redis.from_url(redis_url)
-            keys = r.keys(adm["redis_prefix"] + "*")
-            if keys:
-                r.delete(*keys)
+            drop_redis_keys(redis_url, adm["redis_prefix"])
 
     asyncio.run(go())

@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import drop_redis_keys, free_port
 from tests.gateway.admission.test_limits import _start_redis
 from usefulwork.gateway.admission.lease import LeasedLimits, grant_size
 from usefulwork.gateway.admission.limits import FailoverLimits, LocalLimits
@@ -29,15 +29,6 @@ def test_grant_size_follows_the_rate_capped_by_the_limits_at_least_one():
     assert grant_size(1000.0, 0.2, TenantCfg(budget_usd_per_day=10.0), 10, 0.01) == 200  # no $ per request yet
     assert grant_size(1000.0, 0.2, TenantCfg(budget_usd_per_day=10.0), 10, 0.01, 10.0, 0.01) == 10  # 1% of $10
     assert grant_size(1000.0, 0.2, TenantCfg(budget_usd_per_day=10.0), 10, 0.01, 0.001, 0.01) == 1
-
-
-def _clean(redis_url: str, prefix: str) -> None:
-    import redis
-
-    r = redis.Redis.from_url(redis_url)
-    keys = r.keys(prefix + "*")
-    if keys:
-        r.delete(*keys)
 
 
 def test_steady_traffic_is_admitted_locally_and_no_limit_means_no_redis(redis_url):
@@ -60,7 +51,7 @@ def test_steady_traffic_is_admitted_locally_and_no_limit_means_no_redis(redis_ur
             assert lim.calls == before and "free" not in lim.leases
         finally:
             await lim.close()
-            _clean(redis_url, prefix)
+            drop_redis_keys(redis_url, prefix)
 
     asyncio.run(go())
 
@@ -110,7 +101,7 @@ def test_two_processes_burst_within_the_bucket_and_an_idle_grant_is_given_back(r
         finally:
             await a.close()
             await b.close()
-            _clean(redis_url, prefix)
+            drop_redis_keys(redis_url, prefix)
 
     asyncio.run(go())
 
@@ -143,7 +134,7 @@ def test_token_corrections_are_batched_and_sent_on_close_spend_at_once(redis_url
             await r.aclose()
         finally:
             await other.close()
-            _clean(redis_url, prefix)
+            drop_redis_keys(redis_url, prefix)
 
     asyncio.run(go())
 
@@ -172,7 +163,7 @@ def test_budget_stops_every_process_with_a_bounded_overshoot(redis_url):
         finally:
             await a.close()
             await b.close()
-            _clean(redis_url, prefix)
+            drop_redis_keys(redis_url, prefix)
 
     asyncio.run(go())
 

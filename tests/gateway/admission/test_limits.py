@@ -14,7 +14,7 @@ import uuid
 
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import drop_redis_keys, free_port
 from usefulwork.gateway.admission.lease import LeasedLimits
 from usefulwork.gateway.admission.limits import FailoverLimits, LocalLimits, RedisLimits, StoreDown
 from usefulwork.gateway.tenants import TenantCfg
@@ -105,12 +105,7 @@ def test_two_processes_share_one_limit_without_overshoot(redis_url, kind):
     allowed = 1000 + 1000 / 60 * elapsed
     assert admitted >= 1000  # the limit is reachable
     assert admitted <= allowed * 1.01, (admitted, elapsed)
-    import redis
-
-    r = redis.Redis.from_url(redis_url)
-    keys = r.keys(prefix + "*")
-    if keys:
-        r.delete(*keys)
+    drop_redis_keys(redis_url, prefix)
 
 
 def _start_redis(port: int, tmp) -> subprocess.Popen:
