@@ -24,7 +24,10 @@ and fairness cell (four equal-weight tenants, one sending 30x) on the same clock
 (usefulwork/loadtest/admission_clock.py), per seed, with the shipped settings and with the low-band
 prefill gate off (``low_band_prefills: 0``): interactive TTFT p99 against the same interactive arrivals
 alone, the engine's output tokens/s against admission off, each quiet tenant's TTFT p99 against its
-arrivals alone.
+arrivals alone, and the floor of that ratio (``admission_clock.floor_p99``: every quiet prompt admitted at
+once and prefilled alone in the next step, waiting only for the API front-end and the step in progress,
+cut to one prompt's prefill, on the same run's steps): where the floor is over 1.2x, no gateway that keeps
+the engine as busy meets the target.
 
 ``--retry`` runs the experiment's ``burst-retry`` cell on the same clock, per seed: the capacity-13 cell's
 40 s at 13 req/s from clients that never retry (as the wall-clock experiment warms the gateway), 20 s at
@@ -131,14 +134,16 @@ def classes(seeds: list[int]) -> dict[str, Any]:
     for name, cfg in variants.items():
         data[name] = {seed: {"priority": admission_clock.priority_cell(seed, cfg),
                              "fairness": admission_clock.fairness_cell(seed, cfg)} for seed in seeds}
-    print("| seed | variant | interactive TTFT p99 / alone (s) | ratio | tokens/s vs off | quiet TTFT p99 / alone (ratio) |")
-    print("|---|---|---|---|---|---|")
+    print("| seed | variant | interactive TTFT p99 / alone (s) | ratio | tokens/s vs off | quiet TTFT p99 / alone (ratio) "
+          "| worst quiet: floor |")
+    print("|---|---|---|---|---|---|---|")
     for seed in seeds:
         for name in variants:
             p, f = data[name][seed]["priority"], data[name][seed]["fairness"]
             quiet = ", ".join(f"{v['p99_s']:.3f} / {v['alone_p99_s']:.3f} ({v['ratio']:.2f}x)" for v in f["quiet"].values())
             print(f"| {seed} | {name} | {p['interactive_p99_s']:.3f} / {p['alone_p99_s']:.3f} | {p['ratio']:.2f}x | "
-                  f"{p['tokens_per_s']:.0f} / {p['off_tokens_per_s']:.0f} ({p['throughput_ratio']:.3f}) | {quiet} |")
+                  f"{p['tokens_per_s']:.0f} / {p['off_tokens_per_s']:.0f} ({p['throughput_ratio']:.3f}) | {quiet} | "
+                  f"{f['worst_floor_ratio']:.2f}x |")
     print("\nWhere the slowest first token went (shipped; ms: gateway queue + engine wait + own prefill step(s), "
           "the API front-end's fixed delay aside), loaded | alone:")
     print("| seed | client | loaded | alone |")
@@ -153,8 +158,9 @@ def classes(seeds: list[int]) -> dict[str, Any]:
         met_p = sum(1 for r in rows if r["priority"]["ratio"] <= 1.2)
         met_t = sum(1 for r in rows if r["priority"]["throughput_ratio"] >= 0.95)
         met_f = sum(1 for r in rows if r["fairness"]["worst_ratio"] <= 1.2)
+        can_f = sum(1 for r in rows if r["fairness"]["worst_floor_ratio"] <= 1.2)
         print(f"{name}: interactive <= 1.2x in {met_p}/{len(rows)} seeds, throughput >= 95% in {met_t}/{len(rows)}, "
-              f"every quiet tenant <= 1.2x in {met_f}/{len(rows)}")
+              f"every quiet tenant <= 1.2x in {met_f}/{len(rows)} (possible at all, by the floor: {can_f}/{len(rows)})")
     return data
 
 

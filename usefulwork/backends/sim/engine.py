@@ -194,6 +194,11 @@ class SimEngine:
     def has_work(self) -> bool:
         return bool(self._pending) or self.scheduler.has_work()
 
+    @property
+    def request_overhead_s(self) -> float:
+        """The API front-end's fixed delay before an accepted request reaches the scheduler's queue."""
+        return self._request_overhead
+
     def next_ready_time(self) -> float | None:
         return self._pending[0].ready_time if self._pending else None
 
