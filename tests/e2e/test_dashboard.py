@@ -138,7 +138,9 @@ def test_dashboard_shows_the_stats_under_traffic(vllm_server, tmp_path, repo_roo
 def test_dashboard_shows_each_pools_admission(tmp_path):
     """The admission table in Chromium against /usefulwork/stats: a real gateway with the admission filter
     in front of the simulator, one slot, one long answer in it and three requests shed (no round trip
-    measured yet: a shed is demand for the E2E SLO's span)."""
+    measured yet: a shed is demand for the E2E SLO's span), then four retries numbered by their client as
+    the OpenAI SDKs number them (the three shed requests', and one more): each is priced one way (a place
+    held for it, none left but due now, or as a first attempt), and none is demand again."""
     if not Path(CHROMIUM).exists():
         pytest.fail("Debian chromium is not installed (apt-get install chromium)")
     from playwright.sync_api import sync_playwright
@@ -167,13 +169,17 @@ def test_dashboard_shows_each_pools_admission(tmp_path):
                 t.start()
             for t in shed:
                 t.join()
+            retried = [httpx.post(url, json={**body, "prompt": f"{i} " + body["prompt"], "max_tokens": 8}, timeout=60,
+                                  headers={"x-stainless-retry-count": "1"}) for i in range(4)]
+            assert [r.status_code for r in retried] == [429] * 4  # the one slot is still taken
             browser, page = _open(pw, gw.url)
             try:
                 before = gw.stats()["filters"]["admission"]["pools"]["local"]
                 _wait_render(page, _wait_render(page, 0))
                 after = gw.stats()["filters"]["admission"]["pools"]["local"]
-                assert before["inflight"] == after["inflight"] == 1 and sum(after["shed"].values()) == 3
+                assert before["inflight"] == after["inflight"] == 1 and sum(after["shed"].values()) == 7
                 assert before["shed_demand"] == after["shed_demand"] == 3
+                assert after["retries_honoured"] + after["retries_placeless"] == 4, after
                 row = page.locator("#admission-table tbody tr").first.locator("td").all_inner_texts()
                 header = page.locator("#admission-table thead th").all_inner_texts()
                 shown = dict(zip(header, row))
@@ -182,6 +188,9 @@ def test_dashboard_shows_each_pools_admission(tmp_path):
                 assert shown["admitted"] == str(after["admitted"])
                 assert shown["shed by reason"] == ", ".join(f"{k} {v}" for k, v in after["shed"].items())
                 assert shown["shed demand"] == "3"
+                assert shown["retries held / due now / unproven"] == (
+                    f"{after['retries_honoured']} / {after['retries_placeless'] - after['retries_unproven']} / "
+                    f"{after['retries_unproven']}"), (shown, after)
             finally:
                 browser.close()
             long.join()
