@@ -52,7 +52,7 @@ def drop_redis_keys(redis_url: str, prefix: str) -> None:
     import redis
 
     r = redis.Redis.from_url(redis_url)
-    keys = r.keys(prefix + "*")
+    keys = list(r.scan_iter(match=prefix + "*", count=1000))  # (SCAN: a shared Redis is not blocked)
     if keys:
         r.delete(*keys)
 

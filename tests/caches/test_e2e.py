@@ -9,8 +9,8 @@ import time
 import httpx
 import openai
 import pytest
-import redis
 
+from tests.conftest import drop_redis_keys
 from tests.e2e.conftest import pool_cfg, start_gateway
 
 pytestmark = pytest.mark.slow
@@ -35,10 +35,7 @@ def pair(vllm_server, redis_url, tmp_path):
     yield gws
     for gw in gws:
         gw.stop()
-    r = redis.Redis.from_url(redis_url)
-    keys = list(r.scan_iter(match=ns + ":*"))  # test cleanup only
-    if keys:
-        r.delete(*keys)
+    drop_redis_keys(redis_url, ns + ":")
 
 
 def cache_stats(gw) -> dict:

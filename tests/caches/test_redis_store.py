@@ -8,10 +8,10 @@ import os
 import pytest
 import redis
 
+from tests.conftest import drop_redis_keys, free_port
 from usefulwork.caches.config import CacheCfg, SemanticCfg
 from usefulwork.caches.filter import CacheFilter
 from usefulwork.caches.redis_store import RedisStore
-from tests.conftest import free_port
 
 from .helpers import FakeUpstream, drive, make_call
 
@@ -20,10 +20,7 @@ from .helpers import FakeUpstream, drive, make_call
 def ns(redis_url):
     name = f"uwtest:{os.urandom(4).hex()}"
     yield name
-    r = redis.Redis.from_url(redis_url)
-    keys = list(r.scan_iter(match=name + ":*"))  # test cleanup only; the store itself never scans
-    if keys:
-        r.delete(*keys)
+    drop_redis_keys(redis_url, name + ":")  # (test cleanup only; the store itself never scans)
 
 
 def cfg(redis_url, ns, **kw):

@@ -11,10 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-import redis
 import yaml
 
-from tests.conftest import child_pids, free_port
+from tests.conftest import child_pids, drop_redis_keys, free_port
 from tests.gateway.accounting.test_shared import MODEL, chat, gateway_config, sim, start_gateway, stop, wait_ready  # noqa: F401
 
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -87,9 +86,7 @@ def test_workers_share_the_port_restart_and_drain_on_sigterm(sim, redis_url, tmp
         assert {r["id"] for r in records} == once and {r["outcome"] for r in records} == {"ok"}
     finally:
         stop(gw)
-        r = redis.Redis.from_url(redis_url)
-        for key in r.scan_iter(f"{prefix}:*"):
-            r.delete(key)
+        drop_redis_keys(redis_url, f"{prefix}:")
 
 
 def test_sigterm_sheds_queued_requests_with_retry_after(sim, tmp_path):

@@ -25,7 +25,7 @@ import pytest
 import redis
 import yaml
 
-from tests.conftest import free_port
+from tests.conftest import drop_redis_keys, free_port
 from usefulwork.backends.sim.process import SimProcess
 from usefulwork.gateway.tenants import hash_key
 
@@ -123,9 +123,7 @@ def three_gateways(sim_url: str, tmp: Path, redis_url: str) -> Iterator[tuple[li
     finally:
         for gw in gws:
             stop(gw)
-        r = redis.Redis.from_url(redis_url)
-        for key in r.scan_iter(f"{prefix}:*"):
-            r.delete(key)
+        drop_redis_keys(redis_url, f"{prefix}:")
 
 
 def chat(gw: Gw, key: str, i: int) -> str:

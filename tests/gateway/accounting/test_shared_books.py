@@ -10,6 +10,7 @@ import uuid
 import pytest
 import redis
 
+from tests.conftest import drop_redis_keys
 from usefulwork.config import ScaleOut
 from usefulwork.gateway.accounting.costing import PoolMeter, Share
 from usefulwork.gateway.accounting.shared import SharedBooks
@@ -70,9 +71,7 @@ def test_three_meters_conserve_with_late_work_and_leaving_gateways(redis_url, sc
         raw = {k.decode(): float(v) for k, v in
                redis.Redis.from_url(redis_url).hgetall(f"{prefix}:gpu:{{p}}:books").items()}
     finally:
-        r = redis.Redis.from_url(redis_url)
-        for key in r.scan_iter(f"{prefix}:*"):
-            r.delete(key)
+        drop_redis_keys(redis_url, f"{prefix}:")
     assert all(s.pending == 0 for s in shares) and len(shares) > 200
     paid = sum(s.usd for s in shares)
     assert abs(raw["attributed_usd"] + raw["idle_usd"] - raw["cost_usd"]) < 1e-6, raw
@@ -103,9 +102,7 @@ def test_a_gateway_with_nothing_open_leaves_through_the_shared_books(redis_url):
         fleet = asyncio.run(main())
         assert fleet["cost_usd"] > 0 and abs(fleet["idle_usd"] - fleet["cost_usd"]) < 1e-12  # all idle, booked once
     finally:
-        r = redis.Redis.from_url(redis_url)
-        for key in r.scan_iter(f"{prefix}:*"):
-            r.delete(key)
+        drop_redis_keys(redis_url, f"{prefix}:")
 
 
 def test_work_moved_past_a_peers_leave_is_settled_when_its_gateway_leaves_too(redis_url):
@@ -134,8 +131,6 @@ def test_work_moved_past_a_peers_leave_is_settled_when_its_gateway_leaves_too(re
     try:
         share, fleet = asyncio.run(main())
     finally:
-        r = redis.Redis.from_url(redis_url)
-        for key in r.scan_iter(f"{prefix}:*"):
-            r.delete(key)
+        drop_redis_keys(redis_url, f"{prefix}:")
     assert share.pending == 0 and share.usd > 0
     assert abs(fleet["attributed_usd"] + fleet["idle_usd"] - fleet["cost_usd"]) < 1e-9, fleet
