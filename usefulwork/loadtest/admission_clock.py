@@ -101,9 +101,7 @@ def run(cell: list[tuple[float, Client]], admission: AdmissionCfg | None, durati
     q = None
     if admission is not None:
         cap = Capacity(admission, *SLO, replica_count=lambda: 1, priority_scheduling=scheduling_policy == "priority")
-        q = PoolQueue("p", cap, reserve_fraction=admission.reserve_fraction, tenant_headroom=admission.tenant_headroom,
-                      tenant_active_s=admission.tenant_active_s, low_band_prefills=admission.low_band_prefills,
-                      max_queue=admission.max_queue, e2e_slo_s=SLO[2])
+        q = PoolQueue.from_cfg("p", cap, admission, SLO[2])
     t0 = 0.0
     timeline: list[tuple[float, Client, bool]] = []  # (time, client, measured)
     if q is not None and cell:

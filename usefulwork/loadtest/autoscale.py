@@ -247,8 +247,7 @@ class Simulation:
         cap = Capacity(cfg, slo.ttft_ms / 1e3, slo.tpot_ms / 1e3, slo.e2e_ms / 1e3,
                        replicas=lambda: [view(r.scraped) for r in self._serving()],
                        replica_count=lambda: len(self._serving()))
-        return PoolQueue("llama-8b", cap, reserve_fraction=cfg.reserve_fraction, max_queue=cfg.max_queue,
-                         e2e_slo_s=slo.e2e_ms / 1e3, return_prior=cfg.retry_return_prior)
+        return PoolQueue.from_cfg("llama-8b", cap, cfg, slo.e2e_ms / 1e3)
 
     # -- fleet --
     def _serving(self) -> list[Replica]:

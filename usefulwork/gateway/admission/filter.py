@@ -172,14 +172,9 @@ class AdmissionFilter:
             cap = Capacity(self.cfg, self.slo.ttft_ms / 1000.0, self.slo.tpot_ms / 1000.0, self.slo.e2e_ms / 1000.0,
                            replicas=replicas,
                            priority_scheduling=pool is not None and pool.cfg.scheduling_policy == "priority")
-            q = self.queues[name] = PoolQueue(name, cap, weight_of=lambda t: self.tenants.settings(t).weight,
-                                              reserve_fraction=self.cfg.reserve_fraction,
-                                              tenant_headroom=self.cfg.tenant_headroom,
-                                              tenant_active_s=self.cfg.tenant_active_s,
-                                              low_band_prefills=self.cfg.low_band_prefills,
-                                              max_queue=self.cfg.max_queue, e2e_slo_s=self.slo.e2e_ms / 1000.0,
-                                              return_prior=self.cfg.retry_return_prior,
-                                              shared_returns=self.fair_sync is not None)
+            q = self.queues[name] = PoolQueue.from_cfg(name, cap, self.cfg, self.slo.e2e_ms / 1000.0,
+                                                       weight_of=lambda t: self.tenants.settings(t).weight,
+                                                       shared_returns=self.fair_sync is not None)
         return q
 
     # -- the filter --

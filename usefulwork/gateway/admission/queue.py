@@ -70,6 +70,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
 from usefulwork.gateway.admission.capacity import Capacity, Sample, decode_time
+from usefulwork.gateway.admission.config import AdmissionCfg
 from usefulwork.gateway.tenants import PRIORITIES
 
 DecisionKind = Literal["admit", "queue", "shed"]
@@ -183,6 +184,14 @@ class PoolQueue:
     _run_ver: int = 0  # bumped when ``running`` or a running ticket's first token changes (``_slot_free_in``'s cache)
     _ends: tuple[Any, list[float]] = (None, [])  # (key, the sorted expected ends of what runs) cache
     _shed_at: deque[float] = field(default_factory=deque)  # when requests were shed the first time (``shed_demand``)
+
+    @classmethod
+    def from_cfg(cls, name: str, capacity: Capacity, cfg: AdmissionCfg, e2e_slo_s: float, **kw: Any) -> PoolQueue:
+        """A pool's queue with the admission settings in ``cfg``: how the filter builds it, and so how the
+        virtual-clock benchmarks and the what-if fleet must (``kw``: the tenants' weights, shared returns)."""
+        return cls(name, capacity, reserve_fraction=cfg.reserve_fraction, tenant_headroom=cfg.tenant_headroom,
+                   tenant_active_s=cfg.tenant_active_s, low_band_prefills=cfg.low_band_prefills,
+                   max_queue=cfg.max_queue, e2e_slo_s=e2e_slo_s, return_prior=cfg.retry_return_prior, **kw)
 
     # -- the decision --
     def free(self, cls: int, tenant: str | None = None) -> int:
