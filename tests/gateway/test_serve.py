@@ -64,3 +64,50 @@ async def test_forwarded_headers_reach_the_routes_and_the_hot_paths_skip_them():
         await app({"type": "http", "method": method, "path": path, "headers": headers, "client": ("127.0.0.1", 5000),
                    "scheme": "http"}, None, None)
     assert seen == [("203.0.113.7", 0), ("127.0.0.1", 5000)]
+
+
+def test_check_validates_a_config_and_says_what_it_sets_up_without_serving(tmp_path):
+    """`serve --check`: what a deploy pipeline runs on a config before rolling it out. A valid config prints
+    its parts (never a key hash) and exits 0 without binding its port; an invalid one exits 2 naming the
+    field; a config that needs a shared Redis it cannot reach is an error too."""
+    import socket
+
+    from usefulwork.gateway.tenants import hash_key
+
+    digest = hash_key("sk-check-test")
+    with socket.socket() as busy:  # the config's port is taken: --check must not try to bind it
+        busy.bind(("127.0.0.1", 0))
+        port = busy.getsockname()[1]
+        f = tmp_path / "gw.yaml"
+        f.write_text(
+            f"listen: {{port: {port}}}\n"
+            "pools:\n  - name: small\n    models: [m1, m2]\n    replicas: ['http://10.0.0.1:8000', 'http://10.0.0.2:8000']\n"
+            "    scheduling_policy: priority\n"
+            "filters: [admission]\n"
+            f"tenants:\n  acme: {{key_hashes: ['{digest}'], rpm: 60}}\n  old: {{enabled: false}}\n")
+        r = _serve("--config", str(f), "--check")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert f"config: {f}" in out and f"listen: 127.0.0.1:{port}, 1 worker(s)" in out
+    assert "pool small: models m1, m2; 2 static replica(s); scheduling priority" in out
+    assert "filters: admission" in out and "tenants: 2 (1 key hash(es)); with limits or a budget: acme; disabled: old" in out
+    assert "shared state: none (per process)" in out and out.rstrip().endswith("config OK")
+    assert digest not in out and digest.split(":")[1] not in out
+
+    f.write_text(f.read_text().replace("rpm: 60", "budget_usd_per_day: '50 EUR'"))
+    r = _serve("--config", str(f), "--check")
+    assert r.returncode == 2 and "tenants.acme.budget_usd_per_day" in r.stderr and "Traceback" not in r.stderr
+    assert "config OK" not in r.stdout
+
+    f.write_text(f.read_text().replace("budget_usd_per_day: '50 EUR'", "rpm: 60")
+                 + "scale_out: {redis_url: 'redis://:hunter2@127.0.0.1:1/0'}\n")  # nothing listens on port 1
+    r = _serve("--config", str(f), "--check")
+    assert r.returncode == 2 and "scale_out.redis_url" in r.stderr and "cannot be reached" in r.stderr
+    assert "redis://:***@127.0.0.1:1/0" in r.stderr and "hunter2" not in r.stderr + r.stdout
+
+
+def test_check_without_a_config_describes_the_embedded_fleet_and_starts_nothing():
+    r = _serve("--check")
+    assert r.returncode == 0, r.stderr
+    assert "embedded local fleet: one vLLM serving smollm2-135m-instruct" in r.stdout and "config OK" in r.stdout
+    assert "step 1/3" not in r.stderr  # the embedded fleet's start-up never began

@@ -29,6 +29,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, help="gateway processes on the port (overrides listen.workers; "
                    "docs/architecture.md, Scale-out)")
     p.add_argument("--vllm-log", type=Path, help="embedded fleet: write vLLM's output here (default: ~/.cache/usefulwork/vllm.log)")
+    p.add_argument("--check", action="store_true", help="validate the config (and reach scale_out.redis_url) and print "
+                   "what it sets up, then exit: 0 valid, 2 an error naming the field; serves nothing")
 
 
 def _say(msg: str) -> None:
@@ -155,7 +157,7 @@ def check_scale_out(cfg: Config) -> str | None:
         try:
             redis.Redis.from_url(cfg.scale_out.redis_url, socket_connect_timeout=2, socket_timeout=2).ping()
         except (redis.RedisError, ValueError) as exc:
-            return f"scale_out.redis_url: Redis at {cfg.scale_out.redis_url} cannot be reached: {exc}"
+            return f"scale_out.redis_url: Redis at {_no_password(cfg.scale_out.redis_url)} cannot be reached: {exc}"
     elif n > 1:
         per = ["/usefulwork/stats and the dashboard (each worker shows its own requests)",
                "GPU-time attribution (each worker bills the whole pool's time to its own requests)"]
@@ -163,6 +165,44 @@ def check_scale_out(cfg: Config) -> str | None:
             per.append("the response cache (cache.redis_url unset)")
         _say(f"--workers {n} without scale_out.redis_url: per-process: " + "; ".join(per))
     return None
+
+
+def _no_password(url: str) -> str:
+    """``url`` with any password replaced by ``***`` (redis://user:secret@host -> redis://user:***@host)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+        user = f"{parts.username}:***@" if parts.username else ":***@"
+        return urlunsplit(parts._replace(netloc=user + parts.netloc.rpartition("@")[2]))
+    except ValueError:
+        return "<unparseable URL>"
+
+
+def describe(cfg: Config) -> str:
+    """What ``cfg`` sets up, one line per part (``serve --check``); never a key, a key hash or a secret."""
+    lines = [f"config: {cfg.source}",
+             f"listen: {cfg.listen.host}:{cfg.listen.port}, {cfg.listen.workers} worker(s)"]
+    for p in cfg.pools:
+        where = f"{len(p.replicas)} static replica(s)" + (" + discovery" if p.discovery is not None else "")
+        lines.append(f"pool {p.name}: models {', '.join(p.models)}; {where}; scheduling {p.scheduling_policy}")
+    if not cfg.pools:
+        fleet = cfg.local_fleet or LocalFleet()
+        lines.append(f"embedded local fleet: one vLLM serving {fleet.model_name} (started by serve)")
+    lines.append(f"filters: {', '.join(cfg.filters) or 'none'}")
+    if cfg.tenants:
+        keys = sum(len(t.key_hashes) for t in cfg.tenants.values())
+        limited = sorted(n for n, t in cfg.tenants.items() if t.rpm or t.tpm or t.budget_usd_per_day is not None)
+        disabled = sorted(n for n, t in cfg.tenants.items() if not t.enabled)
+        lines.append(f"tenants: {len(cfg.tenants)} ({keys} key hash(es)); with limits or a budget: "
+                     f"{', '.join(limited) or 'none'}; disabled: {', '.join(disabled) or 'none'}")
+    shared = [f"{name} via Redis" for name, url in (("admission limits", cfg.admission.redis_url if "admission" in cfg.filters else None),
+                                                     ("cache", cfg.cache.redis_url if "cache" in cfg.filters else None),
+                                                     ("stats and GPU time", cfg.scale_out.redis_url)) if url]
+    lines.append(f"shared state: {', '.join(shared) or 'none (per process)'}")
+    return "\n".join(lines)
 
 
 def _terminate(signum, frame) -> None:
@@ -196,11 +236,15 @@ def run(args: argparse.Namespace) -> int:
     if (problem := check_scale_out(cfg)) is not None:
         print(f"usefulwork: {problem}", file=sys.stderr)
         return 2
-    if cfg.pools:
-        return serve_configured(cfg, args.log_level)
-    if args.config is not None and cfg.local_fleet is None:
+    if not cfg.pools and args.config is not None and cfg.local_fleet is None:
         print(f"usefulwork: {cfg.source}: pools: no pools configured (and no local_fleet section)", file=sys.stderr)
         return 2
+    if getattr(args, "check", False):
+        print(describe(cfg))
+        print("config OK")
+        return 0
+    if cfg.pools:
+        return serve_configured(cfg, args.log_level)
     return _serve_embedded(cfg, args)
 
 
