@@ -6,6 +6,7 @@ No cluster is involved (docs/deploy.md)."""
 from __future__ import annotations
 
 import copy
+import subprocess
 import sys
 from pathlib import Path
 
@@ -122,6 +123,11 @@ def test_gateway_configmap_loads_with_the_gateway_loader(tmp_path):
     path.write_text(cm["data"]["config.yaml"])
     cfg = uwconfig.load(path, environ={})
     assert "admission" in cfg.filters
+    # What a deploy pipeline runs on it (outside the cluster: its Redis does not answer, a warning).
+    r = subprocess.run([sys.executable, "-m", "usefulwork.cli", "serve", "--config", str(path), "--check"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.rstrip().endswith("config OK"), r.stderr
+    assert f"pool {cfg.pools[0].name}: models {cfg.pools[0].models[0]}; 0 static replica(s) + discovery" in r.stdout
     pool = cfg.pools[0]
     vllm = find("Deployment", "vllm-llama-8b")
     assert vllm["metadata"]["labels"]["usefulwork.dev/pool"] == pool.name

@@ -29,8 +29,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, help="gateway processes on the port (overrides listen.workers; "
                    "docs/architecture.md, Scale-out)")
     p.add_argument("--vllm-log", type=Path, help="embedded fleet: write vLLM's output here (default: ~/.cache/usefulwork/vllm.log)")
-    p.add_argument("--check", action="store_true", help="validate the config (and reach scale_out.redis_url) and print "
-                   "what it sets up, then exit: 0 valid, 2 an error naming the field; serves nothing")
+    p.add_argument("--check", action="store_true", help="validate the config and print what it sets up (and whether "
+                   "scale_out.redis_url answers from here), then exit: 0 valid, 2 an error naming the field; serves nothing")
 
 
 def _say(msg: str) -> None:
@@ -141,8 +141,8 @@ def serve_configured(cfg: Config, log_level: str) -> int:
     return Supervisor(cfg, log_level, say=_say).run()
 
 
-def check_scale_out(cfg: Config) -> str | None:
-    """A conflicting or unreachable scale-out setting: the error (naming the field), else None.
+def check_scale_out(cfg: Config, reach: bool = True) -> str | None:
+    """A conflicting or (``reach``) unreachable scale-out setting: the error (naming the field), else None.
 
     Per-process fallbacks are announced on stderr (docs/architecture.md, Scale-out).
     """
@@ -152,18 +152,24 @@ def check_scale_out(cfg: Config) -> str | None:
         return (f"admission.redis_url: --workers {n} with tenant rpm/tpm/budget limits needs a shared Redis "
                 f"(per-process limits would let each of the {n} workers grant the full limit)")
     if cfg.scale_out.redis_url is not None:
-        import redis
-
-        try:
-            redis.Redis.from_url(cfg.scale_out.redis_url, socket_connect_timeout=2, socket_timeout=2).ping()
-        except (redis.RedisError, ValueError) as exc:
-            return f"scale_out.redis_url: Redis at {_no_password(cfg.scale_out.redis_url)} cannot be reached: {exc}"
-    elif n > 1:
+        return unreachable_scale_out(cfg) if reach else None
+    if n > 1:
         per = ["/usefulwork/stats and the dashboard (each worker shows its own requests)",
                "GPU-time attribution (each worker bills the whole pool's time to its own requests)"]
         if "cache" in cfg.filters and cfg.cache.redis_url is None:
             per.append("the response cache (cache.redis_url unset)")
         _say(f"--workers {n} without scale_out.redis_url: per-process: " + "; ".join(per))
+    return None
+
+
+def unreachable_scale_out(cfg: Config) -> str | None:
+    """Why ``scale_out.redis_url`` cannot be reached from here (naming the field), else None."""
+    import redis
+
+    try:
+        redis.Redis.from_url(cfg.scale_out.redis_url, socket_connect_timeout=2, socket_timeout=2).ping()
+    except (redis.RedisError, ValueError) as exc:
+        return f"scale_out.redis_url: Redis at {_no_password(cfg.scale_out.redis_url)} cannot be reached: {exc}"
     return None
 
 
@@ -233,14 +239,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"usefulwork: listen.workers: must be at least 1 (--workers {over['workers']})", file=sys.stderr)
         return 2
     cfg = cfg.model_copy(update={"listen": cfg.listen.model_copy(update=over)})
-    if (problem := check_scale_out(cfg)) is not None:
+    check = getattr(args, "check", False)
+    if (problem := check_scale_out(cfg, reach=not check)) is not None:
         print(f"usefulwork: {problem}", file=sys.stderr)
         return 2
     if not cfg.pools and args.config is not None and cfg.local_fleet is None:
         print(f"usefulwork: {cfg.source}: pools: no pools configured (and no local_fleet section)", file=sys.stderr)
         return 2
-    if getattr(args, "check", False):
+    if check:
+        # Valid wherever it is checked; whether its Redis answers depends on where: a pipeline outside the
+        # cluster cannot reach an in-cluster Redis, so that is said, not failed (serve itself exits 2).
         print(describe(cfg))
+        if cfg.scale_out.redis_url is not None:
+            unreachable = unreachable_scale_out(cfg)
+            print(f"warning: {unreachable} (here; `serve` exits 2 where it cannot reach it)" if unreachable
+                  else "scale_out Redis: reachable from here")
         print("config OK")
         return 0
     if cfg.pools:
