@@ -150,8 +150,7 @@ class AdmissionFilter:
 
         def retries(_options):
             return [Observation(n, {"pool": name, "place": place}) for name, q in self.queues.items()
-                    for place, n in (("held", q.retries_honoured), ("due_now", q.retries_placeless - q.retries_unproven),
-                                     ("unproven", q.retries_unproven))]
+                    for place, n in q.retries_by_place().items()]
 
         meter.create_observable_counter("usefulwork.admission.retries", [retries], unit="{request}",
                                         description="Retries of shed requests by how they were priced: taking a place "

@@ -872,6 +872,12 @@ class PoolQueue:
         self._remove(t)
         self._mark_shed(t, reason, now)
 
+    def retries_by_place(self) -> dict[str, int]:
+        """The retries of shed requests by how they were priced: taking a place held here (``held``), with
+        none left here, as holding one due now (``due_now``), or as a first attempt (``unproven``)."""
+        return {"held": self.retries_honoured, "due_now": self.retries_placeless - self.retries_unproven,
+                "unproven": self.retries_unproven}
+
     def shed_demand(self, now: float, prune: bool = True) -> int:
         """The demand admission turned away, as requests in flight: the requests shed for the first time
         within the last service time (Little's law: each would have held a slot that long). An autoscaler
@@ -987,7 +993,7 @@ class PoolQueue:
                 "prefill_pending": self.pending, "prefill_pending_low_band": self.pending_low,
                 "retry_reservations": len(self.reservations), "retries_honoured": self.retries_honoured,
                 "retries_placeless": self.retries_placeless,
-                "retries_unproven": self.retries_unproven,
+                "retries_unproven": self.retries_unproven, "retries_by_place": self.retries_by_place(),
                 "retry_return_rate": {k: round(self.return_rate(k), 3) for k in self.returns},
                 "retry_return_rate_by_shed": {
                     k: {str(n): round(self.return_rate(k, n), 3) for (u, n) in sorted(self.returns_by_count) if u == k}
