@@ -148,7 +148,7 @@ def check_scale_out(cfg: Config, reach: bool = True) -> str | None:
     """
     n = cfg.listen.workers
     if n > 1 and "admission" in cfg.filters and cfg.admission.redis_url is None and any(
-            t.rpm or t.tpm or t.budget_usd_per_day is not None for t in cfg.tenants.values()):
+            t.limited for t in cfg.tenants.values()):
         return (f"admission.redis_url: --workers {n} with tenant rpm/tpm/budget limits needs a shared Redis "
                 f"(per-process limits would let each of the {n} workers grant the full limit)")
     if cfg.scale_out.redis_url is not None:
@@ -200,7 +200,7 @@ def describe(cfg: Config) -> str:
     lines.append(f"filters: {', '.join(cfg.filters) or 'none'}")
     if cfg.tenants:
         keys = sum(len(t.key_hashes) for t in cfg.tenants.values())
-        limited = sorted(n for n, t in cfg.tenants.items() if t.rpm or t.tpm or t.budget_usd_per_day is not None)
+        limited = sorted(n for n, t in cfg.tenants.items() if t.limited)
         disabled = sorted(n for n, t in cfg.tenants.items() if not t.enabled)
         lines.append(f"tenants: {len(cfg.tenants)} ({keys} key hash(es)); with limits or a budget: "
                      f"{', '.join(limited) or 'none'}; disabled: {', '.join(disabled) or 'none'}")
@@ -239,14 +239,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"usefulwork: listen.workers: must be at least 1 (--workers {over['workers']})", file=sys.stderr)
         return 2
     cfg = cfg.model_copy(update={"listen": cfg.listen.model_copy(update=over)})
-    check = getattr(args, "check", False)
-    if (problem := check_scale_out(cfg, reach=not check)) is not None:
+    if (problem := check_scale_out(cfg, reach=not args.check)) is not None:
         print(f"usefulwork: {problem}", file=sys.stderr)
         return 2
     if not cfg.pools and args.config is not None and cfg.local_fleet is None:
         print(f"usefulwork: {cfg.source}: pools: no pools configured (and no local_fleet section)", file=sys.stderr)
         return 2
-    if check:
+    if args.check:
         # Valid wherever it is checked; whether its Redis answers depends on where: a pipeline outside the
         # cluster cannot reach an in-cluster Redis, so that is said, not failed (serve itself exits 2).
         print(describe(cfg))

@@ -72,6 +72,11 @@ class TenantCfg(_Strict):
     def _hashes(cls, v: list[str]) -> list[str]:
         return [_check_hash(h) for h in v]
 
+    @property
+    def limited(self) -> bool:
+        """It has an rpm, a tpm or a budget: something to count (shared through Redis across gateways)."""
+        return self.rpm is not None or self.tpm is not None or self.budget_usd_per_day is not None
+
     @field_validator("budget_usd_per_day", mode="before")
     @classmethod
     def _dollars(cls, v: Any) -> Any:

@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from usefulwork.gateway.admission.limits import (LUA_LEVEL, OK, RedisLimits, Verdict, _needs_store, day_key,
+from usefulwork.gateway.admission.limits import (LUA_LEVEL, OK, RedisLimits, Verdict, day_key,
                                                 seconds_to_midnight)
 from usefulwork.gateway.tenants import TenantCfg
 from usefulwork.tasks import cancel_and_wait
@@ -136,7 +136,7 @@ class LeasedLimits(RedisLimits):
 
     # -- the request path --
     async def check(self, tenant: str, cfg: TenantCfg, tokens: int) -> Verdict:
-        if not _needs_store(cfg):
+        if not cfg.limited:
             return OK
         self._start()
         now = self.clock()

@@ -53,10 +53,6 @@ def seconds_to_midnight(now: float | None = None) -> float:
     return (nxt - t).total_seconds()
 
 
-def _needs_store(cfg: TenantCfg) -> bool:
-    return cfg.rpm is not None or cfg.tpm is not None or cfg.budget_usd_per_day is not None
-
-
 class Limits(Protocol):
     async def check(self, tenant: str, cfg: TenantCfg, tokens: int) -> Verdict: ...
 
@@ -79,7 +75,7 @@ class LocalLimits:
         return min(float(cap), level + (now - ts) * cap / 60.0)
 
     async def check(self, tenant: str, cfg: TenantCfg, tokens: int) -> Verdict:
-        if not _needs_store(cfg):
+        if not cfg.limited:
             return OK
         now = self.clock()
         if cfg.budget_usd_per_day is not None:
@@ -187,7 +183,7 @@ class RedisLimits:
         return [f"{p}:rpm", f"{p}:tpm", f"{p}:usd:{day_key()}"]
 
     async def check(self, tenant: str, cfg: TenantCfg, tokens: int) -> Verdict:
-        if not _needs_store(cfg):
+        if not cfg.limited:
             return OK
         budget = -1.0 if cfg.budget_usd_per_day is None else cfg.budget_usd_per_day
         ok, reason, retry = await self._check(keys=self._keys(tenant),
@@ -254,7 +250,7 @@ class FailoverLimits:
         return self.down_since is None or self.clock() >= self._retry_at
 
     async def check(self, tenant: str, cfg: TenantCfg, tokens: int) -> Verdict:
-        if not _needs_store(cfg):
+        if not cfg.limited:
             return OK
         if self._use_shared():
             try:
