@@ -48,6 +48,14 @@ class Listen(_Strict):
                          "behave as one gateway (docs/architecture.md, Scale-out).")
 
 
+class Reload(_Strict):
+    """Reloading tenants, keys and access from the config file without a restart (SIGHUP always does)."""
+
+    watch_interval_s: float | None = Field(None, gt=0, description="Also reload when the file changes, looked at "
+                                           "this often (its modification time, size and inode: a Kubernetes "
+                                           "ConfigMap update is seen); None: on SIGHUP only.")
+
+
 class Limits(_Strict):
     """Request limits."""
 
@@ -260,6 +268,7 @@ class Auth(_Strict):
 
 class Config(_Strict):
     listen: Listen = Listen()
+    reload: Reload = Reload()
     auth: Auth = Auth()
     limits: Limits = Limits()
     timeouts: Timeouts = Timeouts()

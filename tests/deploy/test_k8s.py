@@ -128,6 +128,13 @@ def test_gateway_configmap_loads_with_the_gateway_loader(tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.rstrip().endswith("config OK"), r.stderr
     assert f"pool {cfg.pools[0].name}: models {cfg.pools[0].models[0]}; 0 static replica(s) + discovery" in r.stdout
+    # a new key or limit reaches the pods without a rollout: the file is watched, and mounted as a directory
+    # (a subPath mount is never updated by the kubelet)
+    assert "reload of tenants, keys and access: on SIGHUP, and when the file changes (looked at every 10 s)" in r.stdout
+    gw_pod = find("Deployment", "usefulwork-gateway")["spec"]["template"]["spec"]
+    mount = next(m for m in gw_pod["containers"][0]["volumeMounts"] if m["name"] == "config")
+    assert "subPath" not in mount and next(v for v in gw_pod["volumes"] if v["name"] == "config")["configMap"]["name"] \
+        == cm["metadata"]["name"]
     pool = cfg.pools[0]
     vllm = find("Deployment", "vllm-llama-8b")
     assert vllm["metadata"]["labels"]["usefulwork.dev/pool"] == pool.name

@@ -91,6 +91,7 @@ def test_check_validates_a_config_and_says_what_it_sets_up_without_serving(tmp_p
     out = r.stdout
     assert f"config: {f}" in out and f"listen: 127.0.0.1:{port}, 1 worker(s)" in out
     assert "pool small: models m1, m2; 2 static replica(s); scheduling priority" in out
+    assert "reload of tenants, keys and access: on SIGHUP\n" in out
     assert "filters: admission" in out and "tenants: 2 (1 key hash(es)); with limits or a budget: acme; disabled: old" in out
     assert "shared state: none (per process)" in out and out.rstrip().endswith("config OK")
     assert digest not in out and digest.split(":")[1] not in out

@@ -7,7 +7,7 @@ tenant keys or admin keys are configured:
 |---|---|---|
 | ``/healthz`` | anyone | the process is up |
 | ``/v1/models``, ``/v1/models/{id}`` | whoever may call the OpenAI endpoints (any enabled tenant's key once tenant keys exist), and the admin | the models served |
-| ``/readyz`` | anyone | ``{"ready": bool}`` (200 / 503) only; an admin key adds per-pool detail |
+| ``/readyz`` | anyone | ``{"ready": bool}`` (200 / 503) only; an admin key adds per-pool detail and the config's reload status |
 | ``/metrics`` | admin key, or the Prometheus scrape token (``access.metrics_token_hash``) | everything |
 | ``/usefulwork/stats`` | admin key: the fleet view; a tenant key: its own tenant's windows only | |
 | ``/usefulwork/dashboard`` | admin key (browsers: HTTP Basic, any user name, the key as password) | |
@@ -19,7 +19,7 @@ Keys come as ``Authorization: Bearer <key>`` (or Basic, for browsers). A missing
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 from starlette.requests import Request
@@ -27,9 +27,6 @@ from starlette.responses import Response
 
 from usefulwork.gateway.errors import GatewayError, error_body
 from usefulwork.gateway.tenants import Tenants, bearer
-
-if TYPE_CHECKING:
-    from usefulwork.config import Config
 
 FLEET = "fleet"  # the stats scope of an admin (or of anyone when no auth is configured)
 
@@ -43,8 +40,8 @@ def _deny(status: int, message: str, basic: bool = False, code: str | None = Non
 
 
 class Access:
-    def __init__(self, cfg: Config):
-        self.tenants = Tenants(cfg)
+    def __init__(self, tenants: Tenants):
+        self.tenants = tenants  # the gateway's one instance: a reload (SIGHUP) reaches the fleet view too
 
     @property
     def open(self) -> bool:

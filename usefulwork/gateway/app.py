@@ -23,6 +23,7 @@ from usefulwork.gateway.errors import error_body
 from usefulwork.gateway.filters import build_filters
 from usefulwork.gateway.pipeline import Services, chain
 from usefulwork.gateway.proxy import OPERATIONS, Endpoint, Intake
+from usefulwork.gateway.reload import Reloader
 from usefulwork.gateway.tenants import Tenants
 from usefulwork.upstream.fleet import Fleet
 from usefulwork.upstream.forwarder import Forwarder
@@ -119,14 +120,18 @@ class HotPaths:
 def build_app(cfg: Config, client: httpx.AsyncClient | None = None) -> HotPaths:
     client = client or make_client(cfg)
     fleet = Fleet(cfg, client)
-    bundle = accounting.build(cfg, fleet)
-    access = Access(cfg)
-    services = Services(cfg=cfg, fleet=fleet, accountant=bundle.accountant,
+    tenants = Tenants(cfg)  # the one table every part reads, replaced in place by a reload (SIGHUP)
+    access = Access(tenants)
+    bundle = accounting.build(cfg, fleet, access=access)
+    services = Services(cfg=cfg, fleet=fleet, accountant=bundle.accountant, tenants=tenants,
                         meter=bundle.telemetry.fast_meter if bundle.telemetry is not None else None)
+    reloader = Reloader(cfg, tenants.reload)
+    if services.meter is not None:
+        reloader.instrument(services.meter)
     filters = build_filters(cfg.filters, services)
     pickers = build_pickers(cfg, fleet, services.meter)
     handler = chain(filters, Forwarder(fleet, pickers))
-    intake = Intake(fleet, bundle.accountant, Tenants(cfg), handler, max_body=cfg.limits.max_body_bytes,
+    intake = Intake(fleet, bundle.accountant, tenants, handler, max_body=cfg.limits.max_body_bytes,
                     body_timeout_s=cfg.limits.body_timeout_s, virtual_models=services.virtual_models)
     endpoints = {op.path: Endpoint(intake, op) for op in OPERATIONS}
     bundle.accountant.filter_stats = {f.name: f.stats for f in filters if hasattr(f, "stats")}
@@ -168,7 +173,7 @@ def build_app(cfg: Config, client: httpx.AsyncClient | None = None) -> HotPaths:
             }
             for name, p in fleet.pools.items()
         }
-        return access.readyz(request, fleet.ready(), {"pools": pools})
+        return access.readyz(request, fleet.ready(), {"pools": pools, "config": reloader.status()})
 
     async def metrics(request: Request) -> Response:
         if (denied := access.metrics(request)) is not None:
@@ -229,4 +234,5 @@ def build_app(cfg: Config, client: httpx.AsyncClient | None = None) -> HotPaths:
     app.state.filters = filters
     app.state.accounting = bundle
     app.state.drain = lambda: shed_queued(filters)
+    app.state.reloader = reloader
     return HotPaths(app, endpoints)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Protocol
 
 from usefulwork.gateway.context import Outcome, RequestContext
+from usefulwork.gateway.tenants import Tenants
 
 if TYPE_CHECKING:
     from usefulwork.config import Config
@@ -161,6 +162,13 @@ class Services:
     # Model names a filter resolves itself (virtual models such as "auto"): intake accepts them
     # even though no pool serves them; the filter must set ``call.pool`` before the forwarder.
     virtual_models: set[str] = field(default_factory=set)
+    # Who is calling: the gateway's one key -> tenant table (None: built from cfg), which a reload (SIGHUP)
+    # replaces in place, so a filter reads each tenant's settings from it per request, never from cfg.
+    tenants: Tenants | None = None
+
+    def __post_init__(self) -> None:
+        if self.tenants is None:
+            self.tenants = Tenants(self.cfg)
 
 
 def chain(filters: list[Filter], last: Handler) -> Handler:

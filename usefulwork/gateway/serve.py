@@ -71,17 +71,36 @@ def _tune_gc() -> None:
     gc.set_threshold(GC_GEN0, gen1, gen2)
 
 
-def _server(config, drain):
+def _server(config, drain, on_hup=None, watch=None):
     """uvicorn's Server, plus: the first exit signal drains the app at once (queued requests shed);
-    the garbage collector is tuned once the app has started (``_tune_gc``)."""
+    the garbage collector is tuned once the app has started (``_tune_gc``); SIGHUP calls ``on_hup``
+    on the event loop (a config reload; None: SIGHUP keeps its default, which ends the process), and
+    so does a change ``watch`` = (interval in s, has the file changed) sees."""
     import asyncio
 
     import uvicorn
 
+    async def watching(interval_s: float, changed) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            if changed():
+                on_hup()
+
     class GatewayServer(uvicorn.Server):
         async def serve(self, sockets=None):
-            self._uw_loop = asyncio.get_running_loop()
-            await super().serve(sockets)
+            self._uw_loop = loop = asyncio.get_running_loop()
+            watcher = None
+            if on_hup is not None:
+                loop.add_signal_handler(signal.SIGHUP, on_hup)
+                if watch is not None:
+                    watcher = asyncio.create_task(watching(*watch), name="config-watch")
+            try:
+                await super().serve(sockets)
+            finally:
+                if watcher is not None:
+                    watcher.cancel()
+                if on_hup is not None:
+                    loop.remove_signal_handler(signal.SIGHUP)
 
         async def startup(self, sockets=None):
             await super().startup(sockets)
@@ -118,27 +137,42 @@ def uvicorn_config(cfg: Config, app, log_level: str = "warning"):
                           proxy_headers=False, timeout_keep_alive=cfg.timeouts.client_keep_alive_s)
 
 
-def run_gateway(cfg: Config, log_level: str = "warning", sockets=None, quiet: bool = False) -> None:
+def run_gateway(cfg: Config, log_level: str = "warning", sockets=None, quiet: bool = False,
+                loaded: Config | None = None) -> None:
+    """Serve ``cfg`` until SIGTERM / SIGINT. With a config file, SIGHUP reloads its tenants, keys and access
+    (``gateway/reload.py``; ``loaded``: the file as loaded at start, before the command line's overrides);
+    ``quiet``: a worker, whose parent says what it serves and what a reload applied."""
     from usefulwork.gateway.app import build_app
 
     app = build_app(cfg)
     uv = uvicorn_config(cfg, app, log_level)
     proxy_headers_for_routes(app, uv.forwarded_allow_ips)
-    server = _server(uv, app.state.drain)
+    reloader = app.state.reloader
+    reloader.loaded = loaded or cfg
+
+    def on_hup() -> None:
+        r = reloader.reload()
+        if r is not None and not quiet:
+            _say(f"config reloaded from {r.config.source}: {r.summary()}")
+
+    every = None if quiet else reloader.watch_interval_s  # (a worker's parent watches the file for it)
+    server = _server(uv, app.state.drain, on_hup if reloader.source is not None else None,
+                     (every, reloader.changed_on_disk) if every is not None else None)
     if not quiet:
         _say(f"gateway listening on http://{cfg.listen.host}:{cfg.listen.port}/v1  "
              f"(models: {', '.join(cfg.model_names)})")
     server.run(sockets=sockets)
 
 
-def serve_configured(cfg: Config, log_level: str) -> int:
-    """One gateway process, or ``listen.workers`` of them under a supervisor (gateway/workers.py)."""
+def serve_configured(cfg: Config, log_level: str, loaded: Config | None = None) -> int:
+    """One gateway process, or ``listen.workers`` of them under a supervisor (gateway/workers.py).
+    ``loaded``: the config file as loaded, before the command line's overrides (what SIGHUP compares with)."""
     if cfg.listen.workers == 1:
-        run_gateway(cfg, log_level)
+        run_gateway(cfg, log_level, loaded=loaded)
         return 0
     from usefulwork.gateway.workers import Supervisor
 
-    return Supervisor(cfg, log_level, say=_say).run()
+    return Supervisor(cfg, log_level, say=_say, loaded=loaded).run()
 
 
 def check_scale_out(cfg: Config, reach: bool = True) -> str | None:
@@ -146,11 +180,11 @@ def check_scale_out(cfg: Config, reach: bool = True) -> str | None:
 
     Per-process fallbacks are announced on stderr (docs/architecture.md, Scale-out).
     """
+    from usefulwork.gateway.reload import shared_limits_problem
+
     n = cfg.listen.workers
-    if n > 1 and "admission" in cfg.filters and cfg.admission.redis_url is None and any(
-            t.limited for t in cfg.tenants.values()):
-        return (f"admission.redis_url: --workers {n} with tenant rpm/tpm/budget limits needs a shared Redis "
-                f"(per-process limits would let each of the {n} workers grant the full limit)")
+    if (problem := shared_limits_problem(cfg)) is not None:
+        return problem
     if cfg.scale_out.redis_url is not None:
         return unreachable_scale_out(cfg) if reach else None
     if n > 1:
@@ -198,6 +232,9 @@ def describe(cfg: Config) -> str:
         fleet = cfg.local_fleet or LocalFleet()
         lines.append(f"embedded local fleet: one vLLM serving {fleet.model_name} (started by serve)")
     lines.append(f"filters: {', '.join(cfg.filters) or 'none'}")
+    if cfg.source != "<defaults>":
+        every = cfg.reload.watch_interval_s
+        lines.append("reload of tenants, keys and access: on SIGHUP" + (f", and when the file changes (looked at every {every:g} s)" if every else ""))
     if cfg.tenants:
         keys = sum(len(t.key_hashes) for t in cfg.tenants.values())
         limited = sorted(n for n, t in cfg.tenants.items() if t.limited)
@@ -238,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
     if over.get("workers", 1) < 1:
         print(f"usefulwork: listen.workers: must be at least 1 (--workers {over['workers']})", file=sys.stderr)
         return 2
-    cfg = cfg.model_copy(update={"listen": cfg.listen.model_copy(update=over)})
+    loaded, cfg = cfg, cfg.model_copy(update={"listen": cfg.listen.model_copy(update=over)})
     if (problem := check_scale_out(cfg, reach=not args.check)) is not None:
         print(f"usefulwork: {problem}", file=sys.stderr)
         return 2
@@ -256,11 +293,11 @@ def run(args: argparse.Namespace) -> int:
         print("config OK")
         return 0
     if cfg.pools:
-        return serve_configured(cfg, args.log_level)
-    return _serve_embedded(cfg, args)
+        return serve_configured(cfg, args.log_level, loaded)
+    return _serve_embedded(cfg, args, loaded)
 
 
-def _serve_embedded(cfg: Config, args: argparse.Namespace) -> int:
+def _serve_embedded(cfg: Config, args: argparse.Namespace, loaded: Config) -> int:
     from usefulwork.backends.local import LocalVLLM, vllm_available
     from usefulwork.backends.model import ensure_model, home
 
@@ -284,7 +321,7 @@ def _serve_embedded(cfg: Config, args: argparse.Namespace) -> int:
         server.wait_ready(timeout_s=900, progress=_say)
         _say(f"vLLM is ready ({time.monotonic() - t0:.0f}s)")
         _say("step 3/3: starting the gateway (Ctrl-C stops the gateway and vLLM)")
-        rc = serve_configured(with_local_pool(cfg, server.base_url), args.log_level)
+        rc = serve_configured(with_local_pool(cfg, server.base_url), args.log_level, loaded)
     except KeyboardInterrupt:
         rc = 0
     except (RuntimeError, TimeoutError) as exc:

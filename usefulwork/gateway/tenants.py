@@ -129,9 +129,14 @@ class Tenants:
     """Key -> tenant lookup and each tenant's settings (one instance per gateway process)."""
 
     def __init__(self, cfg: Config):
-        self.cfg = cfg
-        self.by_name: dict[str, TenantCfg] = dict(cfg.tenants)
-        self._by_hash = {h: name for name, t in self.by_name.items() for h in t.key_hashes}
+        self.reload(cfg)
+
+    def reload(self, cfg: Config) -> None:
+        """Take the tenants, keys and access of ``cfg`` (``usefulwork/gateway/reload.py``: on SIGHUP). One
+        synchronous swap: a request identified before it sees the old tables, one after it the new ones."""
+        by_name = dict(cfg.tenants)
+        self._by_hash = {h: name for name, t in by_name.items() for h in t.key_hashes}
+        self.by_name: dict[str, TenantCfg] = by_name
         self._plain = dict(cfg.auth.api_keys)  # legacy: plaintext key -> tenant
         self.admin_hashes = frozenset(cfg.access.admin_key_hashes)
         self.metrics_hash = cfg.access.metrics_token_hash

@@ -13,6 +13,13 @@ arrive while a worker is being restarted wait in that socket's queue instead of 
 - **A worker that dies** (any exit the parent did not ask for) is restarted on its socket. A worker
   that dies within ``CRASH_WINDOW_S`` of its start ``CRASH_LIMIT`` times in a row is a crash loop:
   the parent stops the others and exits 1.
+- **SIGHUP** to the parent (with a config file), or a change to the file it watches
+  (``reload.watch_interval_s``): the parent reloads the file (gateway/reload.py); if it
+  loads, the parent keeps its tenants, keys and access for the workers it starts from then on, and
+  passes SIGHUP to every worker, which reloads the file itself. A file that does not load is said
+  once, by the parent, and no worker is signalled. A worker that SIGHUP reaches while it is still
+  starting (before its handler is installed) dies of it, having served nothing, and is started again
+  with the reloaded config: not counted as a crash.
 """
 
 from __future__ import annotations
@@ -26,10 +33,12 @@ import sys
 import time
 
 from usefulwork.config import Config
+from usefulwork.gateway.reload import Reloader
 
 ENV_CONFIG = "USEFULWORK_WORKER_CONFIG"
 ENV_FD = "USEFULWORK_WORKER_FD"
 ENV_INDEX = "USEFULWORK_WORKER_INDEX"
+ENV_LOADED = "USEFULWORK_WORKER_LOADED"  # the config file as loaded, before the command line's overrides
 CRASH_WINDOW_S = 5.0
 CRASH_LIMIT = 3
 STOP_TIMEOUT_S = 60.0  # graceful drain (10 s) + ledger stop (shutdown_timeout_s) + margin
@@ -60,7 +69,7 @@ def bind_sockets(host: str, port: int, n: int) -> list[socket.socket]:
 class Supervisor:
     """Starts, restarts and stops the worker processes (see the module doc)."""
 
-    def __init__(self, cfg: Config, log_level: str, say=print):
+    def __init__(self, cfg: Config, log_level: str, say=print, loaded: Config | None = None):
         self.cfg = cfg
         self.log_level = log_level
         self.say = say
@@ -69,9 +78,14 @@ class Supervisor:
         self.procs: list[subprocess.Popen | None] = [None] * len(self.socks)
         self.started: list[float] = [0.0] * len(self.socks)
         self.crashes: list[int] = [0] * len(self.socks)
-        self._stop = False
-        cfg_json = cfg.model_copy(update={"listen": cfg.listen.model_copy(update={"port": self.port})}).model_dump_json()
-        self._env = {**os.environ, ENV_CONFIG: cfg_json}
+        self._stop = self._hup = False
+        running = cfg.model_copy(update={"listen": cfg.listen.model_copy(update={"port": self.port})})
+        self.reloader = Reloader(running, apply=lambda new: None, loaded=loaded)
+        self._env = self._worker_env()
+
+    def _worker_env(self) -> dict[str, str]:
+        r = self.reloader
+        return {**os.environ, ENV_CONFIG: r.running.model_dump_json(), ENV_LOADED: r.loaded.model_dump_json()}  # type: ignore[union-attr]
 
     def _spawn(self, i: int) -> None:
         fd = self.socks[i].fileno()
@@ -81,10 +95,14 @@ class Supervisor:
         self.started[i] = time.monotonic()
 
     def _on_signal(self, signum, frame) -> None:
-        self._stop = True
+        if signum == signal.SIGHUP:
+            self._hup = True
+        else:
+            self._stop = True
 
     def run(self) -> int:
-        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        handled = (signal.SIGTERM, signal.SIGINT) + ((signal.SIGHUP,) if self.reloader.source is not None else ())
+        old = {s: signal.signal(s, self._on_signal) for s in handled}
         try:
             for i in range(len(self.socks)):
                 self._spawn(i)
@@ -98,11 +116,32 @@ class Supervisor:
             for s in self.socks:
                 s.close()
 
+    def _reload(self) -> None:
+        self._hup = False
+        r = self.reloader.reload()  # (a file that does not load is logged there, naming the field)
+        if r is None:
+            return
+        self._env = self._worker_env()
+        live = [p for p in self.procs if p is not None and p.poll() is None]
+        for p in live:
+            p.send_signal(signal.SIGHUP)
+        self.say(f"config reloaded from {r.config.source}: {r.summary()} (passed to {len(live)} workers)")
+
     def _watch(self) -> int:
+        every, looked = self.reloader.watch_interval_s, time.monotonic()
         while not self._stop:
             time.sleep(0.2)
+            if every is not None and time.monotonic() - looked >= every:
+                looked = time.monotonic()
+                self._hup = self._hup or self.reloader.changed_on_disk()
+            if self._hup:
+                self._reload()
             for i, p in enumerate(self.procs):
                 if self._stop or p is None or p.poll() is None:
+                    continue
+                if p.returncode == -signal.SIGHUP:  # reached by a reload while starting: started again
+                    self.say(f"worker {i} (pid {p.pid}) was still starting when the reload came: starting it again")
+                    self._spawn(i)
                     continue
                 quick = time.monotonic() - self.started[i] < CRASH_WINDOW_S
                 self.crashes[i] = self.crashes[i] + 1 if quick else 1
@@ -138,8 +177,9 @@ def worker_main(log_level: str) -> int:
         signal.signal(sig, _terminate)
     setup_logging(log_level)
     cfg = Config.model_validate_json(os.environ[ENV_CONFIG])
+    loaded = Config.model_validate_json(os.environ[ENV_LOADED]) if ENV_LOADED in os.environ else None
     sock = socket.socket(fileno=int(os.environ[ENV_FD]))
-    run_gateway(cfg, log_level, sockets=[sock], quiet=True)
+    run_gateway(cfg, log_level, sockets=[sock], quiet=True, loaded=loaded)
     return 0
 
 

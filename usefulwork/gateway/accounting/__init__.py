@@ -28,6 +28,7 @@ from usefulwork.gateway.accounting.journal import default_dir
 from usefulwork.gateway.accounting.ledger import Ledger
 from usefulwork.gateway.accounting.sinks import Sink, from_config
 from usefulwork.gateway.accounting.telemetry import Telemetry
+from usefulwork.gateway.tenants import Tenants
 
 DASHBOARD = Path(__file__).parent.parent / "static" / "dashboard.html"
 
@@ -69,8 +70,9 @@ def _routes(accountant: Ledger, access: Access) -> list[BaseRoute]:
 
 
 def build(cfg: Config, fleet: Fleet, *, sinks: list[Sink] | None = None,
-          telemetry: Telemetry | None = None) -> AccountingBundle:
-    """Sinks and telemetry come from cfg unless given (tests pass in-memory ones)."""
+          telemetry: Telemetry | None = None, access: Access | None = None) -> AccountingBundle:
+    """Sinks and telemetry come from cfg unless given (tests pass in-memory ones); ``access``: who may read
+    the stats and the dashboard (the gateway's, whose tenants a reload replaces; else from cfg)."""
     journal_dir = None
     if sinks is None:
         sinks = from_config(cfg.ledger.jsonl_path, cfg.ledger.redis_url, cfg.ledger.redis_stream)
@@ -85,4 +87,4 @@ def build(cfg: Config, fleet: Fleet, *, sinks: list[Sink] | None = None,
     if telemetry is None:
         telemetry = Telemetry(cfg, accountant.meters)
     accountant.telemetry = telemetry
-    return AccountingBundle(accountant=accountant, routes=_routes(accountant, Access(cfg)), telemetry=telemetry)
+    return AccountingBundle(accountant=accountant, routes=_routes(accountant, access or Access(Tenants(cfg))), telemetry=telemetry)

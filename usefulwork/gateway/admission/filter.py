@@ -41,7 +41,7 @@ from starlette.routing import Route
 
 from usefulwork.gateway.errors import JSON_HEADERS, error_body
 from usefulwork.gateway.pipeline import Call, Handler, Reply
-from usefulwork.gateway.tenants import PRIORITIES, Tenants
+from usefulwork.gateway.tenants import PRIORITIES
 from usefulwork.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
@@ -98,7 +98,7 @@ class AdmissionFilter:
         cfg = services.cfg
         self.cfg: AdmissionCfg = cfg.admission
         self.clock = clock
-        self.tenants = Tenants(cfg)
+        self.tenants = services.tenants
         self.slo = cfg.slo
         self.deadline_s = [self.cfg.deadline_ms.get(p, cfg.slo.ttft_ms) / 1000.0 for p in PRIORITIES]
         if limits is None:
@@ -393,7 +393,7 @@ class AdmissionFilter:
         admin key only (``access.admin_key_hashes``; open when no key is configured anywhere)."""
         from usefulwork.gateway.access import Access  # noqa: PLC0415
 
-        access = Access(self.services.cfg)
+        access = Access(self.tenants)
         if not access.is_admin(request):
             return Response(error_body(401, "tenant status needs the admin key", code="invalid_api_key"),
                             status_code=401, media_type="application/json")
