@@ -314,6 +314,13 @@ class Config(_Strict):
                     raise ValueError(f"model {m!r} is served by two pools ({seen_models[m]!r} and {pool.name!r})")
                 seen_models[m] = pool.name
         self.routing.check_pools(self)
+        callable_ = set(seen_models or [(self.local_fleet or LocalFleet()).model_name])
+        callable_.update(vm.name for vm in self.routing.virtual_models)
+        for name, tenant in self.tenants.items():
+            for m in tenant.models or ():
+                if m not in callable_:
+                    raise ValueError(f"tenants.{name}.models: {m!r} is neither a model a pool serves nor a virtual "
+                                     f"model (known: {', '.join(sorted(callable_))})")
         return self
 
     def pool_for_model(self, model: str) -> Pool | None:

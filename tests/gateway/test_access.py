@@ -128,5 +128,29 @@ def test_one_model_by_id_and_an_unknown_one_without_keys():
         assert one.status_code == 200 and one.json() == listed[1]
         r = c.get("/v1/models/nope")
         assert r.status_code == 404
-        assert r.json()["error"] == {"message": "The model 'nope' does not exist", "type": "not_found_error",
-                                     "param": "model", "code": "model_not_found"}
+        assert r.json()["error"] == {"message": "The model 'nope' does not exist or you do not have access to it",
+                                     "type": "not_found_error", "param": "model", "code": "model_not_found"}
+
+
+def test_a_tenant_with_a_model_list_sees_and_calls_those_only_and_cannot_tell_the_others_exist():
+    pools = [POOL, {"name": "q", "models": ["big"], "replicas": ["http://127.0.0.1:9"]}]
+    keys = {**KEYS, "tenants": {**KEYS["tenants"], "acme": {"key_hashes": [hash_key("acme-key")], "models": ["m"]}}}
+    app = build_app(from_mapping({"pools": pools, **keys}, environ={}))
+    with TestClient(app.app) as c:
+        assert [m["id"] for m in c.get("/v1/models", headers=bearer("acme-key")).json()["data"]] == ["m"]
+        assert [m["id"] for m in c.get("/v1/models", headers=bearer("bravo-key")).json()["data"]] == ["m", "big"]
+        assert [m["id"] for m in c.get("/v1/models", headers=bearer("admin-key")).json()["data"]] == ["m", "big"]
+        hidden, unknown = (c.get(f"/v1/models/{name}", headers=bearer("acme-key")) for name in ("big", "nope"))
+        assert hidden.status_code == unknown.status_code == 404
+        assert hidden.json()["error"]["message"].replace("big", "X") == unknown.json()["error"]["message"].replace("nope", "X")
+        assert c.get("/v1/models/big", headers=bearer("bravo-key")).status_code == 200
+
+        def chat(key: str, model: str):
+            return c.post("/v1/chat/completions", headers=bearer(key),
+                          json={"model": model, "messages": [{"role": "user", "content": "hi"}]})
+
+        refused, unknown = chat("acme-key", "big"), chat("acme-key", "nope")
+        assert refused.status_code == unknown.status_code == 404  # not forwarded: its replica does not answer
+        assert refused.json()["error"]["code"] == "model_not_found" and refused.json()["error"]["param"] == "model"
+        assert refused.json()["error"]["message"].replace("big", "X") == unknown.json()["error"]["message"].replace("nope", "X")
+        assert chat("acme-key", "m").status_code >= 500 and chat("bravo-key", "big").status_code >= 500  # forwarded

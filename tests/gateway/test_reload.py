@@ -80,16 +80,18 @@ def _wait_reloads(gw: Gw, ok: int = 0, error: int = 0, timeout: float = 20) -> d
 def test_sighup_rotates_keys_adds_a_limited_tenant_and_survives_a_bad_file(vllm_server, tmp_path):
     path = tmp_path / "gw.yaml"
     pools = [{"name": "local", "models": [vllm_server.model], "replicas": [vllm_server.base_url]}]
-    cfg = _config(tmp_path, pools, {"alice": {"key_hashes": [hash_key("alice-key")]}}, filters=["admission"])
+    cfg = _config(tmp_path, pools, {"alice": {"key_hashes": [hash_key("alice-key")]}}, filters=["router", "admission"],
+                  routing={"virtual_models": [{"name": "auto", "small_pool": "local", "large_pool": "local"}]})
     _write(path, cfg)
     gw = start_gateway(path, tmp_path, "gw")
     try:
         wait_ready(gw)
 
-        def chat(key: str) -> str:
-            c = openai.OpenAI(base_url=f"{gw.url}/v1", api_key=key, max_retries=0, timeout=60)
-            r = c.chat.completions.create(model=vllm_server.model, max_tokens=2,
-                                          messages=[{"role": "user", "content": "hi"}])
+        def sdk(key: str) -> openai.OpenAI:
+            return openai.OpenAI(base_url=f"{gw.url}/v1", api_key=key, max_retries=0, timeout=60)
+
+        def chat(key: str, model: str = vllm_server.model) -> str:
+            r = sdk(key).chat.completions.create(model=model, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
             return r.choices[0].finish_reason
 
         assert chat("alice-key")
@@ -118,13 +120,19 @@ def test_sighup_rotates_keys_adds_a_limited_tenant_and_survives_a_bad_file(vllm_
         assert chat("alice-key-2")
         with pytest.raises(openai.RateLimitError):
             chat("bob-key")  # still known, still limited: its bucket was kept
-        # a section read only at start: the live ones apply, the rest is said
-        _write(path, {**cfg, "timeouts": {"health_interval_s": 2.0}})
+        # a section read only at start: the live ones apply (alice may now call the cascade only), the rest is said
+        _write(path, {**cfg, "timeouts": {"health_interval_s": 2.0},
+                      "tenants": {"alice": {"key_hashes": [hash_key("alice-key")], "models": ["auto"]}}})
         gw.proc.send_signal(signal.SIGHUP)
         _wait_reloads(gw, ok=2, error=1)
         with pytest.raises(openai.AuthenticationError):
             chat("alice-key-2")
-        assert chat("alice-key")
+        assert chat("alice-key", "auto")
+        with pytest.raises(openai.NotFoundError) as hidden:  # as a model that does not exist
+            chat("alice-key")
+        assert hidden.value.code == "model_not_found"
+        assert [m.id for m in sdk("alice-key").models.list()] == ["auto"]
+        assert {m.id for m in sdk("admin-key").models.list()} == {"auto", vllm_server.model}
         log = gw.log.read_text()
         assert "config reload failed" in log and "tenants.alice.budget_usd_per_day" in log
         assert "restart to apply: timeouts" in log and "Traceback" not in log

@@ -72,6 +72,14 @@ def test_bad_tenant_config_names_the_field(tenant, field, needle):
     assert f"test.yaml: {field}" in msg and needle in msg
 
 
+def test_a_model_list_names_served_or_virtual_models_only():
+    with pytest.raises(ConfigError, match=r"tenants\.acme\.models: 'gpt-4' is neither a model a pool serves"):
+        cfg(tenants={"acme": {"models": ["gpt-4"]}})
+    t = Tenants(cfg(tenants={"acme": {"key_hashes": [hash_key("k")], "models": ["m"]}, "bravo": {}}))
+    assert t.models_of("acme") == {"m"} and t.models_of("bravo") is None and t.models_of(None) is None
+    assert Tenants(cfg(tenants={"bravo": {}})).models_of("bravo") is None
+
+
 def test_bad_access_and_admission_config_names_the_field():
     with pytest.raises(ConfigError, match=r"access\.metrics_token_hash: .*sha256:"):
         cfg(access={"metrics_token_hash": "prom-token"})

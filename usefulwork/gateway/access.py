@@ -6,7 +6,7 @@ tenant keys or admin keys are configured:
 | path | who | what |
 |---|---|---|
 | ``/healthz`` | anyone | the process is up |
-| ``/v1/models``, ``/v1/models/{id}`` | whoever may call the OpenAI endpoints (any enabled tenant's key once tenant keys exist), and the admin | the models served |
+| ``/v1/models``, ``/v1/models/{id}`` | whoever may call the OpenAI endpoints (any enabled tenant's key once tenant keys exist), and the admin | the models served (a tenant with a ``models`` list: those only) |
 | ``/readyz`` | anyone | ``{"ready": bool}`` (200 / 503) only; an admin key adds per-pool detail and the config's reload status |
 | ``/metrics`` | admin key, or the Prometheus scrape token (``access.metrics_token_hash``) | everything |
 | ``/usefulwork/stats`` | admin key: the fleet view; a tenant key: its own tenant's windows only | |
@@ -73,6 +73,10 @@ class Access:
         except GatewayError as exc:  # the OpenAI endpoints' refusal (401 invalid_api_key, 403 tenant_disabled)
             return _deny(exc.status, exc.message, code=exc.code)
         return None
+
+    def models_allowed(self, request: Request) -> frozenset[str] | None:
+        """The models the caller's tenant may call (None: every one; the admin, or no list)."""
+        return self.tenants.models_of(self.tenants.tenant_of_key(self._key(request)))
 
     def dashboard(self, request: Request) -> Response | None:
         if self.is_admin(request):

@@ -149,15 +149,18 @@ def build_app(cfg: Config, client: httpx.AsyncClient | None = None) -> HotPaths:
     async def models(request: Request) -> Response:
         if (denied := access.models(request)) is not None:
             return denied
-        return Response(model_list, media_type=JSON)
+        if (allowed := access.models_allowed(request)) is None:
+            return Response(model_list, media_type=JSON)
+        return Response(orjson.dumps({"object": "list", "data": [m for m in listed.values() if m["id"] in allowed]}),
+                        media_type=JSON)
 
     async def model(request: Request) -> Response:  # the SDKs' models.retrieve
         if (denied := access.models(request)) is not None:
             return denied
         name = request.path_params["model"]
-        if name not in listed:
-            return Response(error_body(404, f"The model {name!r} does not exist", param="model",
-                                       code="model_not_found"), status_code=404, media_type=JSON)
+        if name not in listed or ((allowed := access.models_allowed(request)) is not None and name not in allowed):
+            return Response(error_body(404, f"The model '{name}' does not exist or you do not have access to it",
+                                       param="model", code="model_not_found"), status_code=404, media_type=JSON)
         return Response(orjson.dumps(listed[name]), media_type=JSON)
 
     async def healthz(request: Request) -> Response:

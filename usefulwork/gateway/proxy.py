@@ -139,8 +139,10 @@ class Intake:
             ctx.model = body["model"]
         op.validate(body)
         pool = self.fleet.pool_for_model(ctx.model)
-        if pool is None and ctx.model not in self.virtual_models:
-            raise GatewayError(404, f"The model '{ctx.model}' does not exist or is not served by this gateway",
+        if pool is None and ctx.model not in self.virtual_models or (
+                (allowed := self.tenants.models_of(ctx.tenant)) is not None and ctx.model not in allowed):
+            # (a model the tenant may not call is answered as one that does not exist: nothing to probe)
+            raise GatewayError(404, f"The model '{ctx.model}' does not exist or you do not have access to it",
                                param="model", code="model_not_found")
         ctx.stream = op.streams and body.get("stream") is True
         ctx.max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or body.get("max_output_tokens")

@@ -1,4 +1,4 @@
-"""Reload who may call, on SIGHUP: tenants (keys, limits, budgets, priority, weight, degrade, enabled),
+"""Reload who may call, on SIGHUP: tenants (keys, limits, budgets, priority, weight, degrade, enabled, models),
 ``auth.api_keys``, and ``access`` (admin keys, the metrics scrape token), from the config file the
 gateway was started with, without a restart and without dropping a request.
 

@@ -3,8 +3,9 @@
 Keys are stored hashed: config holds ``sha256:<hex>`` of each key (``usefulwork tenants hash-key``
 prints the hash of a new key), never the key. API keys are random, high-entropy secrets, so one
 SHA-256 is enough (a password KDF would only slow every request down). A tenant has rpm / tpm
-limits, a $ budget per UTC day, a default priority class, a fair-share weight and a degrade policy;
-the admission filter enforces them (usefulwork/gateway/admission). ``access`` holds the admin keys
+limits, a $ budget per UTC day, a default priority class, a fair-share weight, a degrade policy and
+optionally the models it may call (intake answers any other as a model that does not exist);
+the admission filter enforces the rest (usefulwork/gateway/admission). ``access`` holds the admin keys
 and the Prometheus scrape token (usefulwork/gateway/access.py).
 
 With no keys configured at all every request is tenant ``default`` (the embedded default).
@@ -66,6 +67,8 @@ class TenantCfg(_Strict):
     priority: Priority = Field("interactive", description="Default priority class (the x-usefulwork-priority header overrides).")
     weight: float = Field(1.0, gt=0, description="Fair-share weight: served tokens are divided by it.")
     degrade: Degrade | None = Field(None, description="Allowed degradations instead of a shed (None: never degrade).")
+    models: list[str] | None = Field(None, description="The models (served or virtual, e.g. 'auto') this tenant may "
+                                     "call and sees in /v1/models; any other gets the unknown model's 404. None: all.")
 
     @field_validator("key_hashes")
     @classmethod
@@ -138,6 +141,7 @@ class Tenants:
         self._by_hash = {h: name for name, t in by_name.items() for h in t.key_hashes}
         self.by_name: dict[str, TenantCfg] = by_name
         self._plain = dict(cfg.auth.api_keys)  # legacy: plaintext key -> tenant
+        self._models = {name: frozenset(t.models) for name, t in by_name.items() if t.models is not None}
         self.admin_hashes = frozenset(cfg.access.admin_key_hashes)
         self.metrics_hash = cfg.access.metrics_token_hash
 
@@ -147,6 +151,10 @@ class Tenants:
 
     def settings(self, tenant: str) -> TenantCfg:
         return self.by_name.get(tenant) or _DEFAULT
+
+    def models_of(self, tenant: str | None) -> frozenset[str] | None:
+        """The models ``tenant`` may call (None: every one)."""
+        return self._models.get(tenant) if self._models and tenant is not None else None
 
     def tenant_of_key(self, key: str | None) -> str | None:
         if not key:
