@@ -1,4 +1,4 @@
-"""One entry point: `usefulwork serve | sim | loadtest | router | replay | cost`.
+"""One entry point: `usefulwork serve | sim | loadtest | router | tenants | ledger | replay | cost`.
 
 Each subcommand lives in its own module, imported only when chosen (start-up stays fast and a
 missing optional dependency of one command never breaks another). A module provides
@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "loadtest": ("usefulwork.loadtest.cli", "steady/burst load and the cost-per-useful-work matrix"),
     "router": ("usefulwork.routers.cli", "train and evaluate the cascade routers on labeled prompts"),
     "tenants": ("usefulwork.gateway.tenants", "tenant keys: print the hash of a new API key for the config"),
+    "ledger": ("usefulwork.gateway.accounting.report", "cost per useful work from the ledger, per tenant, model, pool, day"),
     "replay": ("usefulwork.loadtest.replay_cli", "re-send a recorded traffic log; compare two setups on it"),
     "cost": ("usefulwork.costmodel", "the inference cost model: $/1M tokens, break-even, pricing tiers"),
 }

@@ -71,7 +71,7 @@ class Ring:
         return self.data[mask].sum(axis=0)
 
 
-def _row(outcome: str, slo_met: bool | None, cache: str, estimated: bool, n: int, prompt_tokens: float,
+def counters(outcome: str, slo_met: bool | None, cache: str, estimated: bool, n: int, prompt_tokens: float,
          completion_tokens: float, cached_tokens: float, price_usd: float) -> np.ndarray:
     """The counters of ``n`` finished requests with the same labels (token and price columns: their sums)."""
     r = np.zeros(len(COLUMNS))
@@ -99,7 +99,7 @@ def _per(usd: float, n: float, unit: float) -> float | None:
     return usd * unit / n if n > 0 else None
 
 
-def _figures(v: np.ndarray, gpu_usd: float, idle_usd: float, window_s: float) -> dict:
+def figures(v: np.ndarray, gpu_usd: float, idle_usd: float, window_s: float) -> dict:
     ok, good, judged = v[C["ok"]], v[C["good"]], v[C["judged"]]
     gen = v[C["generated_tokens_ok"]]
     price = float(v[C["price_usd"]])
@@ -185,7 +185,7 @@ class Stats:
                 g[4] += o.cached_tokens
                 g[5] += o.price_usd
         for (_, tenant, pool, outcome, slo_met, cache, estimated), (t, n, prompt, completion, cached, price) in groups.items():
-            row = _row(outcome, slo_met, cache, estimated, n, prompt, completion, cached, price)
+            row = counters(outcome, slo_met, cache, estimated, n, prompt, completion, cached, price)
             self.fleet.add(t, row)
             self._tenant(tenant).add(t, row)
             if pool is not None:
@@ -258,7 +258,7 @@ class Stats:
                 cost, idle = self._gpu([name], a, now, v)
             else:
                 cost, idle = self._tenant_usd(name, a, now, v), 0.0
-            out[label] = _figures(v, cost, idle, now - max(a, self.started_at or a))
+            out[label] = figures(v, cost, idle, now - max(a, self.started_at or a))
         return out
 
     def series(self, now: float, points: int = 60, step_buckets: int = 2, trailing: int = 12) -> dict:
@@ -276,7 +276,7 @@ class Stats:
                 continue
             v = self._svec("fleet", None, b, trailing)
             cost = sum(m.cost_between(a, t_end) for m in self.meters.values())
-            f = _figures(v, cost, 0.0, t_end - a)
+            f = figures(v, cost, 0.0, t_end - a)
             out["t"].append(round(t_end, 3))
             out["usd_per_1k_ok"].append(f["gpu"]["usd_per_1k_ok"])
             out["usd_per_1k_good"].append(f["gpu"]["usd_per_1k_good"])
