@@ -116,3 +116,42 @@ def test_check_without_a_config_describes_the_embedded_fleet_and_starts_nothing(
     assert r.returncode == 0, r.stderr
     assert "embedded local fleet: one vLLM serving smollm2-135m-instruct" in r.stdout and "config OK" in r.stdout
     assert "step 1/3" not in r.stderr  # the embedded fleet's start-up never began
+
+
+def test_files_and_directories_a_valid_config_refers_to_are_checked_before_serving(tmp_path):
+    """A config can validate and still not start: a classifier head that is not there, a tokenizer folder
+    without tokenizer.json (the prefix picker would hash characters instead, silently), a ledger or
+    recording directory that cannot be made. `serve` exits 2 naming each field, with no traceback (a
+    traceback from the app's assembly before); `--check` says them as warnings (they depend on where it runs)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    (tmp_path / "tok").mkdir()
+    f = tmp_path / "gw.yaml"
+    f.write_text(
+        "pools:\n  - {name: small, models: [m1], replicas: ['http://127.0.0.1:9']}\n"
+        "  - {name: large, models: [m2], replicas: ['http://127.0.0.1:9']}\n"
+        "filters: [router, record]\n"
+        f"record: {{dir: '{blocker}/traffic'}}\n"
+        f"ledger: {{jsonl_path: '{blocker}/ledger.jsonl', journal_dir: '{tmp_path}/journal'}}\n"
+        "routing:\n  virtual_models:\n"
+        f"    - {{name: auto, small_pool: small, large_pool: large, router: classifier, classifier: {{head_path: '{tmp_path}/none.json'}}}}\n"
+        f"  pickers:\n    small: {{kind: prefix, tokenizer: '{tmp_path}/tok'}}\n")
+    r = _serve("--config", str(f), "--port", "0")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "listening" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert lines[0].startswith(f"usefulwork: {f}: routing.virtual_models.0.classifier.head_path: ")
+    assert "cannot read classifier head" in lines[0]
+    assert lines[1] == f"usefulwork: {f}: routing.pickers.small.tokenizer: {tmp_path}/tok has no tokenizer.json (a model folder, or \"sim\")"
+    assert lines[2].startswith(f"usefulwork: {f}: ledger.jsonl_path: cannot create {blocker}")
+    assert lines[3].startswith(f"usefulwork: {f}: record.dir: cannot create {blocker}/traffic") and len(lines) == 4
+    assert (tmp_path / "journal").is_dir()  # (what can be made, serving makes)
+    r = _serve("--config", str(f), "--check")
+    assert r.returncode == 0 and r.stdout.rstrip().endswith("config OK")
+    warned = [x for x in r.stdout.splitlines() if x.startswith("warning: ")]
+    assert len(warned) == 4 and "ledger.jsonl_path" in warned[2] and "is not a directory" in warned[2]
+    # the same config with every reference mended starts
+    (tmp_path / "tok" / "tokenizer.json").write_text("{}")
+    text = f.read_text().replace(f"{blocker}/", f"{tmp_path}/ok/").replace(", router: classifier", "")
+    f.write_text(text)
+    r = _serve("--config", str(f), "--check")
+    assert r.returncode == 0 and "warning" not in r.stdout, r.stdout

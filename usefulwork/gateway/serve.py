@@ -282,16 +282,26 @@ def run(args: argparse.Namespace) -> int:
     if not cfg.pools and args.config is not None and cfg.local_fleet is None:
         print(f"usefulwork: {cfg.source}: pools: no pools configured (and no local_fleet section)", file=sys.stderr)
         return 2
+    from usefulwork.gateway.preflight import problems
+
+    found = problems(cfg, create=not args.check)
     if args.check:
-        # Valid wherever it is checked; whether its Redis answers depends on where: a pipeline outside the
-        # cluster cannot reach an in-cluster Redis, so that is said, not failed (serve itself exits 2).
+        # Valid wherever it is checked; whether its Redis answers, its files are there and its directories
+        # can be written depends on where: a pipeline outside the cluster has neither the in-cluster Redis
+        # nor the pod's volumes, so that is said, not failed (serve itself exits 2).
         print(describe(cfg))
         if cfg.scale_out.redis_url is not None:
             unreachable = unreachable_scale_out(cfg)
             print(f"warning: {unreachable} (here; `serve` exits 2 where it cannot reach it)" if unreachable
                   else "scale_out Redis: reachable from here")
+        for problem in found:
+            print(f"warning: {problem} (here; `serve` exits 2 on it)")
         print("config OK")
         return 0
+    if found:
+        for problem in found:
+            print(f"usefulwork: {cfg.source}: {problem}", file=sys.stderr)
+        return 2
     if cfg.pools:
         return serve_configured(cfg, args.log_level, loaded)
     return _serve_embedded(cfg, args, loaded)
