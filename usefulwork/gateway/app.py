@@ -19,7 +19,7 @@ from starlette.routing import Route
 from usefulwork.config import Config
 from usefulwork.gateway import accounting
 from usefulwork.gateway.access import Access
-from usefulwork.gateway.errors import error_body
+from usefulwork.gateway.errors import error_body, model_not_found
 from usefulwork.gateway.filters import build_filters
 from usefulwork.gateway.pipeline import Services, chain
 from usefulwork.gateway.proxy import OPERATIONS, Endpoint, Intake
@@ -159,8 +159,7 @@ def build_app(cfg: Config, client: httpx.AsyncClient | None = None) -> HotPaths:
             return denied
         name = request.path_params["model"]
         if name not in listed or ((allowed := access.models_allowed(request)) is not None and name not in allowed):
-            return Response(error_body(404, f"The model '{name}' does not exist or you do not have access to it",
-                                       param="model", code="model_not_found"), status_code=404, media_type=JSON)
+            return Response(model_not_found(name).body(), status_code=404, media_type=JSON)
         return Response(orjson.dumps(listed[name]), media_type=JSON)
 
     async def healthz(request: Request) -> Response:

@@ -44,6 +44,13 @@ class GatewayError(Exception):
         return error_body(self.status, self.message, param=self.param, code=self.code)
 
 
+def model_not_found(model: str) -> GatewayError:
+    """A model no pool serves and one the caller's tenant may not call get the same answer, in OpenAI's
+    words: nothing for a key to probe."""
+    return GatewayError(404, f"The model '{model}' does not exist or you do not have access to it",
+                        param="model", code="model_not_found")
+
+
 def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None,
                type_: str | None = None) -> bytes:
     err: dict[str, Any] = {

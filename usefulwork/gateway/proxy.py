@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Coroutine
 
 from usefulwork.gateway.context import Accountant, RequestContext
-from usefulwork.gateway.errors import GatewayError, error_body, send_error, send_json
+from usefulwork.gateway.errors import GatewayError, error_body, model_not_found, send_error, send_json
 from usefulwork.gateway.pipeline import DISCONNECT, Call, ClientGone, Handler, Reply, classify
 from usefulwork.gateway.sse import DONE_EVENT, ResponsesSSE, SSEFilter, first_token_in
 from usefulwork.gateway.tenants import Tenants
@@ -141,9 +141,7 @@ class Intake:
         pool = self.fleet.pool_for_model(ctx.model)
         if pool is None and ctx.model not in self.virtual_models or (
                 (allowed := self.tenants.models_of(ctx.tenant)) is not None and ctx.model not in allowed):
-            # (a model the tenant may not call is answered as one that does not exist: nothing to probe)
-            raise GatewayError(404, f"The model '{ctx.model}' does not exist or you do not have access to it",
-                               param="model", code="model_not_found")
+            raise model_not_found(ctx.model)
         ctx.stream = op.streams and body.get("stream") is True
         ctx.max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or body.get("max_output_tokens")
         ctx.prompt_payload = body.get(op.prompt_key)
