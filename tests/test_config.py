@@ -34,6 +34,11 @@ def test_env_overrides_nested_and_lists(tmp_path):
     cfg = load(f, environ=env)
     assert cfg.listen.port == 9100
     assert cfg.pools[0].replicas == ["http://h:1", "http://h:2"]
+    # a value that is not YAML is the string itself: a field that takes strings gets it, another names itself
+    cfg = load(f, environ={"USEFULWORK__LEDGER__REDIS_URL": "redis://:p: [w@h:6379/0"})
+    assert cfg.ledger.redis_url == "redis://:p: [w@h:6379/0"
+    with pytest.raises(ConfigError, match=r"listen\.port: Input should be a valid integer"):
+        load(f, environ={"USEFULWORK__LISTEN__PORT": "["})
 
 
 @pytest.mark.parametrize("text, field", [

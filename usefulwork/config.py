@@ -363,7 +363,11 @@ def apply_env(tree: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any
             continue
         path = [p.lower() for p in key[len(ENV_PREFIX):].split("__") if p]
         if path:
-            _set_path(tree, path, yaml.safe_load(environ[key]))
+            try:
+                value = yaml.safe_load(environ[key])
+            except yaml.YAMLError:  # not YAML ('[', a password with ': '): the string itself, which the
+                value = environ[key]  # field then takes or refuses, naming itself (a traceback before)
+            _set_path(tree, path, value)
     return tree
 
 
