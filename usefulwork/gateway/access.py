@@ -9,7 +9,7 @@ tenant keys or admin keys are configured:
 | ``/v1/models``, ``/v1/models/{id}`` | whoever may call the OpenAI endpoints (any enabled tenant's key once tenant keys exist), and the admin | the models served (a tenant with a ``models`` list: those only) |
 | ``/readyz`` | anyone | ``{"ready": bool}`` (200 / 503) only; an admin key adds per-pool detail and the config's reload status |
 | ``/metrics`` | admin key, or the Prometheus scrape token (``access.metrics_token_hash``) | everything |
-| ``/usefulwork/stats`` | admin key: the fleet view; a tenant key: its own tenant's windows only | |
+| ``/usefulwork/stats`` | admin key: the fleet view; a tenant key: its own tenant's windows only (and, with admission, its limits and budget left) | |
 | ``/usefulwork/dashboard`` | admin key (browsers: HTTP Basic, any user name, the key as password) | |
 
 Keys come as ``Authorization: Bearer <key>`` (or Basic, for browsers). A missing or wrong key gets

@@ -135,6 +135,7 @@ def build_app(cfg: Config, client: httpx.AsyncClient | None = None) -> HotPaths:
                     body_timeout_s=cfg.limits.body_timeout_s, virtual_models=services.virtual_models)
     endpoints = {op.path: Endpoint(intake, op) for op in OPERATIONS}
     bundle.accountant.filter_stats = {f.name: f.stats for f in filters if hasattr(f, "stats")}
+    bundle.accountant.tenant_limits = next((f.tenant_limits for f in filters if hasattr(f, "tenant_limits")), None)
     picker_stats = {name: p.stats for name, p in pickers.items() if hasattr(p, "stats")}  # prefix pickers' self-check
     if picker_stats:
         bundle.accountant.filter_stats["pickers"] = lambda: {name: st() for name, st in picker_stats.items()}

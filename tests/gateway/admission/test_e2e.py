@@ -201,9 +201,14 @@ def test_two_gateways_share_rpm_and_budget_through_redis(sim, tmp_path, redis_ur
             else:
                 assert r.status_code == 429 and r.json()["error"]["code"] == "budget"
         assert 3 <= served <= 6
-        for g in gws:  # both gateways refuse now
+        for g in gws:  # both gateways refuse now, and the tenant's own stats say why on either
             r = httpx.post(g.base_url + "/v1/completions", json=body(4), headers={"authorization": "Bearer ks"})
             assert r.status_code == 429 and r.headers["x-usefulwork-shed-reason"] == "budget"
+            mine = httpx.get(g.base_url + "/usefulwork/stats", headers={"authorization": "Bearer ks"}).json()
+            assert mine["limits"]["budget_usd_per_day"] == 3.0 and mine["limits"]["spent_today_usd"] >= 3.0
+            assert mine["limits"]["budget_left_usd"] == 0.0 and set(mine["tenants"]) == {"spend"}
+        limits = httpx.get(gws[0].base_url + "/usefulwork/stats", headers={"authorization": "Bearer kb"}).json()["limits"]
+        assert limits == {"rpm": 100, "tpm": None, "budget_usd_per_day": None}  # (no other tenant's figures)
     finally:
         for g in gws:
             g.stop()

@@ -283,12 +283,16 @@ def test_rpm_then_budget_enforced_with_429_and_clear_message(store, request):
             r = await f(make_call(f, tenant="spendy"), Backend())
             await r.aclose()
             spend.append(r)
+        seen = await f.tenant_limits("spendy"), await f.tenant_limits("acme")  # (what their own stats show)
         if adm:
             await f.stop()  # (grants given back)
             drop_redis_keys(adm["redis_url"], adm["redis_prefix"])
-        return out, spend
+        return out, spend, seen
 
-    out, spend = asyncio.run(go())
+    out, spend, (spendy, acme) = asyncio.run(go())
+    assert spendy["spent_today_usd"] == pytest.approx(2 * 0.116) and spendy["budget_left_usd"] == 0.0
+    assert spendy["budget_usd_per_day"] == 0.2 and 0 < spendy["budget_resets_in_s"] <= 86400
+    assert acme == {"rpm": 3, "tpm": None, "budget_usd_per_day": None}
     assert [r.status for r in out] == [200, 200, 200, 429]
     err = orjson.loads(out[3].body)["error"]
     assert err["code"] == "rpm" and "requests-per-minute" in err["message"] and "'acme'" in err["message"]

@@ -55,7 +55,11 @@ def _routes(accountant: Ledger, access: Access) -> list[BaseRoute]:
             except Exception:  # noqa: BLE001 - Redis down: this replica's figures, marked as such
                 raws = None
         snap = accountant.snapshot(with_series, raws)
-        body = orjson.dumps(snap if scope == FLEET else access.tenant_view(snap, scope), option=orjson.OPT_SERIALIZE_NUMPY)
+        if scope != FLEET:
+            snap = access.tenant_view(snap, scope)
+            if accountant.tenant_limits is not None:  # (the admission filter's: its limits and budget left)
+                snap["limits"] = await accountant.tenant_limits(scope)
+        body = orjson.dumps(snap, option=orjson.OPT_SERIALIZE_NUMPY)
         return Response(body, media_type="application/json", headers={"Cache-Control": "no-store"})
 
     async def dashboard(request: Request) -> Response:

@@ -31,7 +31,7 @@ import logging
 import os
 import time
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import orjson
 
@@ -173,6 +173,9 @@ class Ledger:
         self.records_dropped = 0
         self.finished = 0
         self.filter_stats: dict[str, Callable[[], dict]] = {}  # name -> the filter's stats() (set by the app)
+        # tenant -> its limits and budget left, added to a tenant's own stats view (the admission filter's;
+        # set by the app)
+        self.tenant_limits: Callable[[str], Awaitable[dict]] | None = None
         self.shared: SharedBooks | None = None  # several gateways as one (scale_out.redis_url; accounting/shared.py)
         self._publisher: asyncio.Task | None = None
         # the write-ahead journal (accounting/journal.py): opened at start when a sink and a directory are given

@@ -33,7 +33,7 @@ from usefulwork.gateway.admission.capacity import Capacity, Sample
 from usefulwork.gateway.admission.config import AdmissionCfg
 from usefulwork.gateway.admission.lease import LeasedLimits
 from usefulwork.gateway.admission.limits import (FailoverLimits, FairShareSync, Limits, LocalLimits, RedisLimits,
-                                                StoreDown)
+                                                StoreDown, seconds_to_midnight)
 from usefulwork.gateway.admission.queue import PoolQueue, Ticket, retry_after_header
 from starlette.requests import Request
 from starlette.responses import Response
@@ -402,17 +402,27 @@ class AdmissionFilter:
             return Response(error_body(404, f"no tenant {name!r}", code="not_found"), status_code=404,
                             media_type="application/json")
         cfg = self.tenants.settings(name)
-        shared = getattr(self.limits, "shared", None)
-        spent = None
-        if isinstance(shared, RedisLimits):
-            try:
-                spent = await shared.spent_today(name)
-            except Exception:  # noqa: BLE001 - Redis down: say unknown
-                spent = None
         body = {"tenant": name, "settings": cfg.model_dump(exclude={"key_hashes"}),
-                "spent_today_usd": spent, "fair_share_tokens": {p: q.counters.get(name, 0.0) for p, q in self.queues.items()},
+                "spent_today_usd": (await self.tenant_limits(name)).get("spent_today_usd"),
+                "fair_share_tokens": {p: q.counters.get(name, 0.0) for p, q in self.queues.items()},
                 "queued": {p: sum(len(c.get(name, ())) for c in q.queues) for p, q in self.queues.items()}}
         return Response(orjson.dumps(body), media_type="application/json")
+
+    async def tenant_limits(self, name: str) -> dict[str, Any]:
+        """A tenant's limits and, with a budget, today's spend against it: what its own key sees in
+        `/usefulwork/stats` (so a client can slow down before its budget runs out), and the admin's tenant
+        status. Spend is the fleet's (Redis) where limits are shared; None while Redis does not answer."""
+        cfg = self.tenants.settings(name)
+        out: dict[str, Any] = {"rpm": cfg.rpm, "tpm": cfg.tpm, "budget_usd_per_day": cfg.budget_usd_per_day}
+        if cfg.budget_usd_per_day is not None:
+            try:
+                spent = await self.limits.spent_today(name)
+            except Exception:  # noqa: BLE001 - the store did not answer: not known now
+                spent = None
+            out["spent_today_usd"] = spent
+            out["budget_left_usd"] = None if spent is None else max(0.0, cfg.budget_usd_per_day - spent)
+            out["budget_resets_in_s"] = round(seconds_to_midnight(), 3)
+        return out
 
     # -- lifecycle and figures --
     async def start(self) -> None:

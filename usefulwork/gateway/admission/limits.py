@@ -58,6 +58,10 @@ class Limits(Protocol):
 
     async def settle(self, tenant: str, cfg: TenantCfg, token_delta: int, usd: float) -> None: ...
 
+    async def spent_today(self, tenant: str) -> float | None:
+        """US dollars booked against the tenant's budget this UTC day (None: not known now)."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -105,6 +109,9 @@ class LocalLimits:
         if cfg.budget_usd_per_day is not None and usd:
             k = (tenant, day_key(self.wall()))
             self._spend[k] = self._spend.get(k, 0.0) + usd
+
+    async def spent_today(self, tenant: str) -> float | None:
+        return self._spend.get((tenant, day_key(self.wall())), 0.0)
 
     async def close(self) -> None:
         return None
@@ -280,6 +287,14 @@ class FailoverLimits:
             except Exception as exc:  # noqa: BLE001
                 self._failed(exc)
         await self.local.settle(tenant, cfg, token_delta, usd)
+
+    async def spent_today(self, tenant: str) -> float | None:
+        """The fleet's figure from Redis; None while it does not answer (this process's own count since
+        then is not the day's spend)."""
+        try:
+            return await self.shared.spent_today(tenant)
+        except Exception:  # noqa: BLE001 - any store failure: not known now
+            return None
 
     async def close(self) -> None:
         await self.shared.close()
