@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 from usefulwork.config import Config
+from usefulwork.upstream.pickers import tokenizer_problem
 
 
 def problems(cfg: Config, create: bool = True) -> list[str]:
@@ -31,10 +32,9 @@ def problems(cfg: Config, create: bool = True) -> list[str]:
                 out.append(f"routing.virtual_models.{i}.classifier.head_path: {exc}")
     for pool in cfg.pools:
         picker = cfg.routing.picker_for(pool.name)
-        if picker.kind in ("prefix", "precise-prefix") and picker.tokenizer not in (None, "", "sim", "approx"):
+        if picker.kind in ("prefix", "precise-prefix") and (why := tokenizer_problem(picker.tokenizer)) is not None:
             where = f"routing.pickers.{pool.name}" if pool.name in cfg.routing.pickers else "routing.default_picker"
-            if not (Path(picker.tokenizer) / "tokenizer.json").is_file():
-                out.append(f"{where}.tokenizer: {picker.tokenizer} has no tokenizer.json (a model folder, or \"sim\")")
+            out.append(f"{where}.tokenizer: {why}")
     for field, directory in _dirs(cfg):
         if (why := _unwritable(directory, create)) is not None:
             out.append(f"{field}: {why}")

@@ -43,6 +43,7 @@ import itertools
 import math
 import time
 from collections import OrderedDict
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from usefulwork.embedding import conversation_text
@@ -395,10 +396,20 @@ class _Instruments:
 # ------------------------------------------------------------------------------------------------
 
 
+def tokenizer_problem(path: str | None) -> str | None:
+    """Why ``path`` is not a tokenizer a prefix picker can load (None: it is, or none is asked for). A folder
+    without tokenizer.json would leave the simulator's tokenizer hashing characters, silently."""
+    if not path or path in ("sim", "approx") or (Path(path) / "tokenizer.json").is_file():
+        return None
+    return f"{path} has no tokenizer.json (a model folder, or \"sim\")"
+
+
 def load_tokenizer(path: str | None) -> Any:
     """The pool's tokenizer: a model folder, "sim" (the simulator's own), or None (characters)."""
     if not path:
         return None
+    if (why := tokenizer_problem(path)) is not None:
+        raise ValueError(why)
     from usefulwork.backends.sim.tokens import load_tokenizer as load  # noqa: PLC0415 (tokenizers + template)
     return load(None if path == "sim" else path)
 
