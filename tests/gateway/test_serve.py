@@ -155,3 +155,31 @@ def test_files_and_directories_a_valid_config_refers_to_are_checked_before_servi
     f.write_text(text)
     r = _serve("--config", str(f), "--check")
     assert r.returncode == 0 and "warning" not in r.stdout, r.stdout
+
+
+def test_port_0_says_the_port_it_listens_on(tmp_path):
+    import re
+    import signal
+    import time
+
+    import httpx
+
+    f = tmp_path / "gw.yaml"
+    f.write_text("pools:\n  - {name: p, models: [m], replicas: ['http://127.0.0.1:9']}\n")
+    proc = subprocess.Popen([sys.executable, "-m", "usefulwork.cli", "serve", "--config", str(f), "--port", "0"],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stderr.readline()
+        m = re.search(r"listening on http://127\.0\.0\.1:(\d+)/v1", line)
+        assert m and int(m.group(1)) > 0, line
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                assert httpx.get(f"http://127.0.0.1:{m.group(1)}/healthz", timeout=2).status_code == 200
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0

@@ -158,9 +158,13 @@ def run_gateway(cfg: Config, log_level: str = "warning", sockets=None, quiet: bo
     every = None if quiet else reloader.watch_interval_s  # (a worker's parent watches the file for it)
     server = _server(uv, app.state.drain, on_hup if reloader.source is not None else None,
                      (every, reloader.changed_on_disk) if every is not None else None)
+    if sockets is None and cfg.listen.port == 0:  # bound here, so the line below says the port the OS chose
+        from usefulwork.gateway.workers import bind_sockets
+
+        sockets = bind_sockets(cfg.listen.host, 0, 1)
     if not quiet:
-        _say(f"gateway listening on http://{cfg.listen.host}:{cfg.listen.port}/v1  "
-             f"(models: {', '.join(cfg.model_names)})")
+        port = sockets[0].getsockname()[1] if sockets else cfg.listen.port
+        _say(f"gateway listening on http://{cfg.listen.host}:{port}/v1  (models: {', '.join(cfg.model_names)})")
     server.run(sockets=sockets)
 
 

@@ -369,7 +369,8 @@ def test_gateway_shows_admission_stats_to_the_admin_only():
     from usefulwork.gateway.app import build_app
 
     cfg = from_mapping({"pools": [{"name": "p", "models": [MODEL], "replicas": ["http://127.0.0.1:9"]}],
-                        "filters": ["admission"], "tenants": {"t": {"key_hashes": [hash_key("tk")]}},
+                        "filters": ["admission"], "tenants": {"t": {"key_hashes": [hash_key("tk")]},
+                                                              "b": {"key_hashes": [hash_key("bk")], "budget_usd_per_day": 2.5}},
                         "access": {"admin_key_hashes": [hash_key("ak")]}}, environ={})
     app = build_app(cfg)
     with TestClient(app.app) as c:
@@ -389,6 +390,14 @@ def test_gateway_shows_admission_stats_to_the_admin_only():
         st = c.get("/usefulwork/admission/tenants/t", headers={"authorization": "Bearer ak"}).json()
         assert st["settings"]["priority"] == "interactive" and "key_hashes" not in st["settings"]
         assert st["fair_share_tokens"]["p"] > 0
+        # every tenant at once (who is near its budget), admin key only
+        assert c.get("/usefulwork/admission/tenants", headers={"authorization": "Bearer tk"}).status_code == 401
+        every = c.get("/usefulwork/admission/tenants", headers={"authorization": "Bearer ak"}).json()["tenants"]
+        assert list(every) == ["b", "t"] and every["t"] == {k: v for k, v in st.items() if k != "tenant"}
+        assert every["b"]["spent_today_usd"] == 0.0 and every["b"]["budget_left_usd"] == 2.5
+        assert every["t"]["spent_today_usd"] is None and "key_hashes" not in str(every)
+        mine = c.get("/usefulwork/stats", headers={"authorization": "Bearer bk"}).json()
+        assert mine["limits"]["budget_left_usd"] == 2.5 and set(mine["tenants"]) <= {"b"}
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])

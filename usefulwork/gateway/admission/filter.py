@@ -120,7 +120,8 @@ class AdmissionFilter:
         self.decisions: dict[str, int] = {"admit": 0, "queued": 0, "shed": 0, "degraded": 0, "limited": 0}
         self._tasks: set[asyncio.Task] = set()
         self._instruments(services.meter)
-        self.routes = [Route("/usefulwork/admission/tenants/{name}", self._tenant_status, methods=["GET"])]
+        self.routes = [Route("/usefulwork/admission/tenants", self._tenants_status, methods=["GET"]),
+                       Route("/usefulwork/admission/tenants/{name}", self._tenant_status, methods=["GET"])]
 
     # -- setup --
     def _instruments(self, meter: Any) -> None:
@@ -388,25 +389,41 @@ class AdmissionFilter:
         task.add_done_callback(self._tasks.discard)
 
     # -- admin endpoint --
-    async def _tenant_status(self, request: Request) -> Response:
-        """A tenant's settings (never its key hashes), today's spend and its place in the fair share;
-        admin key only (``access.admin_key_hashes``; open when no key is configured anywhere)."""
+    def _admin_only(self, request: Request) -> Response | None:
         from usefulwork.gateway.access import Access  # noqa: PLC0415
 
-        access = Access(self.tenants)
-        if not access.is_admin(request):
-            return Response(error_body(401, "tenant status needs the admin key", code="invalid_api_key"),
-                            status_code=401, media_type="application/json")
+        if Access(self.tenants).is_admin(request):
+            return None
+        return Response(error_body(401, "tenant status needs the admin key", code="invalid_api_key"),
+                        status_code=401, media_type="application/json")
+
+    async def _status_of(self, name: str) -> dict[str, Any]:
+        """A tenant's settings (never its key hashes), today's spend and budget left, and its place in the
+        fair share (the counter and what it has queued, per pool)."""
+        lim = await self.tenant_limits(name)
+        return {"settings": self.tenants.settings(name).model_dump(exclude={"key_hashes"}),
+                "spent_today_usd": lim.get("spent_today_usd"), "budget_left_usd": lim.get("budget_left_usd"),
+                "fair_share_tokens": {p: q.counters.get(name, 0.0) for p, q in self.queues.items()},
+                "queued": {p: sum(len(c.get(name, ())) for c in q.queues) for p, q in self.queues.items()}}
+
+    async def _tenant_status(self, request: Request) -> Response:
+        """One tenant's status; admin key only (``access.admin_key_hashes``; open when no key is configured
+        anywhere)."""
+        if (denied := self._admin_only(request)) is not None:
+            return denied
         name = request.path_params["name"]
         if name not in self.tenants.by_name:
             return Response(error_body(404, f"no tenant {name!r}", code="not_found"), status_code=404,
                             media_type="application/json")
-        cfg = self.tenants.settings(name)
-        body = {"tenant": name, "settings": cfg.model_dump(exclude={"key_hashes"}),
-                "spent_today_usd": (await self.tenant_limits(name)).get("spent_today_usd"),
-                "fair_share_tokens": {p: q.counters.get(name, 0.0) for p, q in self.queues.items()},
-                "queued": {p: sum(len(c.get(name, ())) for c in q.queues) for p, q in self.queues.items()}}
-        return Response(orjson.dumps(body), media_type="application/json")
+        return Response(orjson.dumps({"tenant": name, **await self._status_of(name)}), media_type="application/json")
+
+    async def _tenants_status(self, request: Request) -> Response:
+        """Every configured tenant's status (who is near its budget, who is queued); admin key only."""
+        if (denied := self._admin_only(request)) is not None:
+            return denied
+        names = sorted(self.tenants.by_name)
+        rows = await asyncio.gather(*(self._status_of(n) for n in names))
+        return Response(orjson.dumps({"tenants": dict(zip(names, rows))}), media_type="application/json")
 
     async def tenant_limits(self, name: str) -> dict[str, Any]:
         """A tenant's limits and, with a budget, today's spend against it: what its own key sees in
