@@ -65,6 +65,35 @@ def test_reload_applies_the_live_sections_and_keeps_the_tables_when_the_file_doe
     assert tenants.settings("bob").rpm == 5
 
 
+def test_a_reload_never_turns_key_checks_off_and_a_watched_file_is_read_once_it_settles(tmp_path):
+    path = tmp_path / "c.yaml"
+    pools = [{"name": "p", "models": ["m"], "replicas": ["http://127.0.0.1:9"]}]
+    _write(path, _config(tmp_path, pools, {"alice": {"key_hashes": [hash_key("alice-key")]}}))
+    cfg = load(path)
+    tenants = Tenants(cfg)
+    r = Reloader(cfg, tenants.reload)
+    # an editor that truncates before it writes leaves an empty file for a moment: every caller would be let in
+    for text in ("", yaml.safe_dump({"pools": pools})):
+        path.write_text(text)
+        assert r.reload() is None and "no key left" in r.last_error
+        assert tenants.auth_enabled and tenants.tenant_of_key("alice-key") == "alice"
+    unkeyed = tmp_path / "open.yaml"
+    _write(unkeyed, {"pools": pools})
+    open_cfg = load(unkeyed)
+    unkeyed.write_text(yaml.safe_dump({"pools": pools, "slo": {"ttft_ms": 900}}))
+    assert Reloader(open_cfg, Tenants(open_cfg).reload).reload().restart == ["slo"]  # (no keys before: none after)
+    # the watch: a change is read at the second look that finds it unchanged; another write starts over
+    _write(path, _config(tmp_path, pools, {"alice": {"key_hashes": [hash_key("alice-key")]}}))
+    r = Reloader(cfg, tenants.reload)
+    assert not r.changed_on_disk()
+    path.write_text(path.read_text() + "\n# half")
+    assert not r.changed_on_disk()  # (first seen: it may still be being written)
+    path.write_text(path.read_text() + "\n# written")
+    assert not r.changed_on_disk()  # (changed again since)
+    assert r.changed_on_disk()  # (held still for one look)
+    assert r.reload() is not None and not r.changed_on_disk()
+
+
 def _ready_config(gw: Gw) -> dict:
     return httpx.get(f"{gw.url}/readyz", headers=ADMIN, timeout=10).json()["config"]
 

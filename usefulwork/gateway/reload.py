@@ -11,8 +11,10 @@ the new table. Limits are read per request from that table, so a changed rpm, tp
 to the next request; counters (token buckets, the day's spend, fair-share tokens) are kept.
 
 With ``reload.watch_interval_s`` the gateway (``--workers N``: the parent) also looks at the file that often
-and reloads when its modification time, size or inode changed, as when Kubernetes updates a mounted
-ConfigMap (it swaps a symlink, atomically).
+and reloads when its modification time, size or inode changed and then held still for one more look,
+as when Kubernetes updates a mounted ConfigMap (it swaps a symlink, atomically) or an editor has finished
+writing. A reload never turns key checks off: a file with no key left (tenant, legacy or admin), as a
+truncated one is for a moment, is refused while keys were configured (a restart can do it).
 
 Everything else (pools, filters, admission, SLO, ...) is read once at start: a reload that finds one
 of those sections changed applies the live ones and says which need a restart. A file that does not
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from usefulwork.config import Config, ConfigError, load
+from usefulwork.gateway.tenants import Tenants
 
 LIVE = ("tenants", "auth", "access")  # the sections a reload applies
 log = logging.getLogger("usefulwork.reload")
@@ -78,7 +81,7 @@ class Reloader:
     def __post_init__(self) -> None:
         if self.loaded is None:
             self.loaded = self.running
-        self._seen = self._signature()
+        self._seen, self._pending = self._signature(), None
 
     @property
     def source(self) -> str | None:
@@ -100,10 +103,15 @@ class Reloader:
         return st.st_mtime_ns, st.st_size, st.st_ino
 
     def changed_on_disk(self) -> bool:
-        """The file differs from when it was last read (a file that cannot be read now, as in the middle of
-        a replacement, has not changed yet)."""
+        """The file differs from when it was last read, and has stayed so since the previous look: a file
+        being written (an editor truncates, then writes) is read once it has settled. A file that cannot
+        be read now, as in the middle of a replacement, has not changed yet."""
         sig = self._signature()
-        return sig is not None and sig != self._seen
+        if sig is None or sig == self._seen:
+            self._pending = None
+            return False
+        settled, self._pending = sig == self._pending, sig
+        return settled
 
     def check(self) -> Reloaded:
         """Load and validate the file; raises ConfigError naming the field. Applies nothing."""
@@ -112,11 +120,16 @@ class Reloader:
         would_run = self.running.model_copy(update={n: getattr(new, n) for n in LIVE})
         if (problem := shared_limits_problem(would_run)) is not None:
             raise ConfigError(f"{new.source}: {problem}")
+        if Tenants(self.loaded).auth_enabled and not Tenants(new).auth_enabled:  # type: ignore[arg-type]
+            # (an empty or cut file, as an editor that truncates before it writes leaves it for a moment,
+            # would otherwise let every caller in)
+            raise ConfigError(f"{new.source}: tenants, auth.api_keys, access.admin_key_hashes: no key left, so every "
+                              "caller would be let in; a reload never turns key checks off (a restart does)")
         return Reloaded(new, [n for n in changed if n in LIVE], [n for n in changed if n not in LIVE])
 
     def reload(self) -> Reloaded | None:
         """Check, then apply the live sections; None (and nothing changed) when the file does not load."""
-        self._seen = self._signature()  # (a file that failed is read again once it changes again)
+        self._seen, self._pending = self._signature(), None  # (a file that failed is read again once it changes again)
         try:
             r = self.check()
         except ConfigError as exc:
