@@ -31,13 +31,20 @@ def _write(path, cfg: dict) -> None:
     os.replace(tmp, path)  # as a ConfigMap update: the reader sees the old file or the new one
 
 
-def test_reload_applies_the_live_sections_and_keeps_the_tables_when_the_file_does_not_load(tmp_path):
+POOLS = [{"name": "p", "models": ["m"], "replicas": ["http://127.0.0.1:9"]}]
+
+
+def _alice_only(tmp_path):
+    """A config file with one tenant and an admin key, loaded, its tenants table and its Reloader."""
     path = tmp_path / "c.yaml"
-    pools = [{"name": "p", "models": ["m"], "replicas": ["http://127.0.0.1:9"]}]
-    _write(path, _config(tmp_path, pools, {"alice": {"key_hashes": [hash_key("alice-key")]}}))
+    _write(path, _config(tmp_path, POOLS, {"alice": {"key_hashes": [hash_key("alice-key")]}}))
     cfg = load(path)
     tenants = Tenants(cfg)
-    r = Reloader(cfg, tenants.reload)
+    return path, POOLS, cfg, tenants, Reloader(cfg, tenants.reload)
+
+
+def test_reload_applies_the_live_sections_and_keeps_the_tables_when_the_file_does_not_load(tmp_path):
+    path, pools, cfg, tenants, r = _alice_only(tmp_path)
     assert r.reload().summary() == "tenants, keys and access unchanged"
     _write(path, _config(tmp_path, [{**pools[0], "replicas": ["http://127.0.0.1:10"]}],
                          {"bob": {"key_hashes": [hash_key("bob-key")], "rpm": 5}}))
@@ -66,12 +73,7 @@ def test_reload_applies_the_live_sections_and_keeps_the_tables_when_the_file_doe
 
 
 def test_a_reload_never_turns_key_checks_off_and_a_watched_file_is_read_once_it_settles(tmp_path):
-    path = tmp_path / "c.yaml"
-    pools = [{"name": "p", "models": ["m"], "replicas": ["http://127.0.0.1:9"]}]
-    _write(path, _config(tmp_path, pools, {"alice": {"key_hashes": [hash_key("alice-key")]}}))
-    cfg = load(path)
-    tenants = Tenants(cfg)
-    r = Reloader(cfg, tenants.reload)
+    path, pools, cfg, tenants, r = _alice_only(tmp_path)
     # an editor that truncates before it writes leaves an empty file for a moment: every caller would be let in
     for text in ("", yaml.safe_dump({"pools": pools})):
         path.write_text(text)
