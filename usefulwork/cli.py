@@ -16,7 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sim": ("usefulwork.backends.sim.cli", "run a simulated vLLM server (GPU what-if planning)"),
     "loadtest": ("usefulwork.loadtest.cli", "steady/burst load and the cost-per-useful-work matrix"),
     "router": ("usefulwork.routers.cli", "train and evaluate the cascade routers on labeled prompts"),
-    "tenants": ("usefulwork.gateway.tenants", "tenant keys: print the hash of a new API key for the config"),
+    "tenants": ("usefulwork.gateway.tenants", "tenant keys: print the hash of a new API key for the config; say whose a key is"),
     "ledger": ("usefulwork.gateway.accounting.report", "cost per useful work from the ledger, per tenant, model, pool, day"),
     "replay": ("usefulwork.loadtest.replay_cli", "re-send a recorded traffic log; compare two setups on it"),
     "cost": ("usefulwork.costmodel", "the inference cost model: $/1M tokens, break-even, pricing tiers"),

@@ -87,3 +87,34 @@ def test_bad_access_and_admission_config_names_the_field():
         cfg(admission={"on_redis_down": "maybe"})
     with pytest.raises(ConfigError, match=r"admission\.deadline_ms\.urgent"):
         cfg(admission={"deadline_ms": {"urgent": 100}})
+
+
+def test_which_says_whose_a_key_is_without_printing_it(tmp_path):
+    """`usefulwork tenants which`: a client's 401 or 403 explained from the config; the key comes on stdin."""
+    f = tmp_path / "gw.yaml"
+    f.write_text(f"pools: [{{name: p, models: [m], replicas: ['http://127.0.0.1:9']}}]\n"
+                 f"tenants:\n  acme: {{key_hashes: ['{hash_key('k-acme')}'], rpm: 60, models: [m]}}\n"
+                 f"  old: {{key_hashes: ['{hash_key('k-old')}'], enabled: false}}\n"
+                 f"auth: {{api_keys: {{k-plain: acme}}}}\n"
+                 f"access: {{admin_key_hashes: ['{hash_key('k-admin')}'], metrics_token_hash: '{hash_key('k-prom')}'}}\n")
+
+    def which(key: str, config=f) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "usefulwork.cli", "tenants", "which", "-c", str(config)],
+                              input=key + "\n", capture_output=True, text=True, timeout=60)
+
+    r = which("k-acme")
+    assert r.returncode == 0 and r.stdout.strip() == "tenant 'acme': interactive, weight 1, rpm 60; models: m"
+    r = which("k-plain")
+    assert r.returncode == 0 and "tenant 'acme' (auth.api_keys, in plain text" in r.stdout
+    r = which("k-old")
+    assert r.returncode == 1 and "disabled, its requests get 403" in r.stdout
+    assert which("k-admin").stdout.startswith("the admin key") and which("k-prom").stdout.startswith("the metrics")
+    r = which("nobody")
+    assert r.returncode == 1 and "401" in r.stdout
+    for out in (which(k) for k in ("k-acme", "nobody")):
+        assert "k-acme" not in out.stdout + out.stderr and "sha256" not in out.stdout + out.stderr
+    assert which("").returncode == 2
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tenants: {a: {rpm: 0}}\n")
+    r = which("x", bad)
+    assert r.returncode == 2 and "tenants.a.rpm" in r.stderr and "Traceback" not in r.stderr

@@ -189,9 +189,51 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="action", required=True)
     h = sub.add_parser("hash-key", help="print a new API key (or the given one) and the hash config stores")
     h.add_argument("key", nargs="?", help="an existing key to hash (default: generate a new random key)")
+    w = sub.add_parser("which", help="whose is this key in a config (a client's 401 or 403, explained); the key "
+                       "is read from stdin, so it stays out of the shell's history and the process list")
+    w.add_argument("--config", "-c", required=True, help="the gateway's config file")
+
+
+def describe_key(tenants: Tenants, key: str) -> tuple[bool, str]:
+    """(the gateway takes it, what it is) for ``key`` under ``tenants``; never prints a key or a hash."""
+    if tenants.is_admin(key):
+        return True, "the admin key (fleet view, admin endpoints)"
+    if tenants.is_metrics_token(key):
+        return True, "the metrics scrape token (/metrics only)"
+    name = tenants.tenant_of_key(key)
+    if name is None:
+        if not tenants.auth_enabled:
+            return True, "no keys are configured: every request is tenant 'default'"
+        return False, "no tenant, admin key or scrape token has this key: its requests get 401"
+    t = tenants.settings(name)
+    legacy = " (auth.api_keys, in plain text: move it to key_hashes)" if hash_key(key) not in tenants._by_hash else ""
+    if not t.enabled:
+        return False, f"tenant {name!r}{legacy}: disabled, its requests get 403"
+    limits = ", ".join(f"{k} {v}" for k, v in (("rpm", t.rpm), ("tpm", t.tpm), ("budget $/day", t.budget_usd_per_day))
+                       if v is not None) or "no limits"
+    models = ", ".join(t.models) if t.models is not None else "all"
+    return True, f"tenant {name!r}{legacy}: {t.priority}, weight {t.weight:g}, {limits}; models: {models}"
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.action == "which":
+        import sys
+
+        from usefulwork.config import ConfigError, load
+
+        try:
+            cfg = load(args.config)
+        except ConfigError as exc:
+            print(f"usefulwork tenants: {exc}", file=sys.stderr)
+            return 2
+        key = sys.stdin.readline().strip()
+        if not key:
+            print("usefulwork tenants: give the key on stdin (echo \"$KEY\" | usefulwork tenants which -c FILE)",
+                  file=sys.stderr)
+            return 2
+        taken, what = describe_key(Tenants(cfg), key)
+        print(what)
+        return 0 if taken else 1
     key = args.key or "uw-" + secrets.token_urlsafe(32)
     if not args.key:
         print(f"key:  {key}   (give this to the client; it is not stored anywhere)")
