@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 from usefulwork.config import Config
+from usefulwork.gateway.accounting.journal import journal_dir_for
 from usefulwork.upstream.pickers import tokenizer_problem
 
 
@@ -47,13 +48,8 @@ def _dirs(cfg: Config) -> list[tuple[str, Path]]:
     out = []
     if led.jsonl_path:
         out.append(("ledger.jsonl_path", Path(led.jsonl_path).parent))
-    if (led.jsonl_path or led.redis_url) and led.journal:
-        from usefulwork.embedding import cache_dir
-        from usefulwork.gateway.accounting.journal import default_dir
-
-        field = "ledger.journal_dir" if led.journal_dir else "ledger.journal_dir (unset: its default)"
-        out.append((field, Path(led.journal_dir) if led.journal_dir else
-                    default_dir(led.jsonl_path, led.redis_url, led.redis_stream, cache_dir(None))))
+    if (journal := journal_dir_for(led)) is not None:
+        out.append(("ledger.journal_dir" if led.journal_dir else "ledger.journal_dir (unset: its default)", journal))
     if "record" in cfg.filters:
         out.append(("record.dir", Path(cfg.record.dir)))
     return out

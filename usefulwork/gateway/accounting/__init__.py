@@ -23,8 +23,7 @@ from starlette.routing import BaseRoute, Route
 from usefulwork.upstream.fleet import Fleet
 from usefulwork.config import Config
 from usefulwork.gateway.access import FLEET, Access
-from usefulwork.embedding import cache_dir
-from usefulwork.gateway.accounting.journal import default_dir
+from usefulwork.gateway.accounting.journal import journal_dir_for
 from usefulwork.gateway.accounting.ledger import Ledger
 from usefulwork.gateway.accounting.sinks import Sink, from_config
 from usefulwork.gateway.accounting.telemetry import Telemetry
@@ -80,9 +79,7 @@ def build(cfg: Config, fleet: Fleet, *, sinks: list[Sink] | None = None,
     journal_dir = None
     if sinks is None:
         sinks = from_config(cfg.ledger.jsonl_path, cfg.ledger.redis_url, cfg.ledger.redis_stream)
-        if sinks and cfg.ledger.journal:
-            journal_dir = cfg.ledger.journal_dir or default_dir(
-                cfg.ledger.jsonl_path, cfg.ledger.redis_url, cfg.ledger.redis_stream, cache_dir(None))
+        journal_dir = journal_dir_for(cfg.ledger)
     accountant = Ledger(cfg, fleet, sinks, journal_dir=journal_dir)
     if cfg.scale_out.redis_url is not None:
         from usefulwork.gateway.accounting.shared import SharedBooks

@@ -46,10 +46,14 @@ import operator
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import orjson
 
 from usefulwork.gateway.context import RequestContext
+
+if TYPE_CHECKING:
+    from usefulwork.config import LedgerCfg
 
 log = logging.getLogger("usefulwork.journal")
 
@@ -74,6 +78,18 @@ def default_dir(jsonl_path: str | None, redis_url: str | None, redis_stream: str
     if jsonl_path:
         return Path(jsonl).parent / ".usefulwork-journal" / digest
     return cache_dir / "journal" / digest
+
+
+def journal_dir_for(ledger: LedgerCfg) -> Path | None:
+    """Where a gateway with these ledger settings journals (None: no sink to journal for, or the journal is
+    off): ``ledger.journal_dir``, else ``default_dir``. What the accounting builds and preflight checks."""
+    if not (ledger.jsonl_path or ledger.redis_url) or not ledger.journal:
+        return None
+    if ledger.journal_dir:
+        return Path(ledger.journal_dir)
+    from usefulwork.embedding import cache_dir  # noqa: PLC0415 (only for a ledger without a JSONL file)
+
+    return default_dir(ledger.jsonl_path, ledger.redis_url, ledger.redis_stream, cache_dir(None))
 
 
 _fields = operator.attrgetter(*FIELDS)
