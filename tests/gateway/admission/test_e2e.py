@@ -51,10 +51,17 @@ def body(max_tokens: int = 4) -> dict:
 def test_openai_sdk_sees_rate_limit_error_with_retry_after_and_can_honour_it(sim, tmp_path):
     gw = gateway(sim, tmp_path, slo={"ttft_ms": 300, "e2e_ms": 30000},
                  admission={"initial_concurrency": 1, "max_concurrency": 1},
-                 tenants={"t": {"key_hashes": [hash_key("sdk-key")]}})
+                 tenants={"t": {"key_hashes": [hash_key("sdk-key")], "rpm": 1000, "tpm": 1_000_000}})
     try:
         c0 = openai.OpenAI(base_url=gw.base_url + "/v1", api_key="sdk-key", max_retries=0)
-        c0.completions.create(model=MODEL, prompt="warm " * 50, max_tokens=64, extra_body={"ignore_eos": True})
+        raw = c0.completions.with_raw_response.create(model=MODEL, prompt="warm " * 50, max_tokens=64,
+                                                      extra_body={"ignore_eos": True})
+        assert raw.parse().usage.completion_tokens == 64
+        h = raw.headers  # OpenAI's rate-limit headers: this request's share taken
+        assert (h["x-ratelimit-limit-requests"], h["x-ratelimit-remaining-requests"]) == ("1000", "999")
+        assert h["x-ratelimit-reset-requests"].endswith("ms")  # one request refills in 60 ms
+        assert h["x-ratelimit-limit-tokens"] == "1000000"
+        assert 1_000_000 - 500 < int(h["x-ratelimit-remaining-tokens"]) < 1_000_000 - 64
 
         async def run():
             long = asyncio.to_thread(c0.completions.create, model=MODEL, prompt="a " * 50, max_tokens=400,
@@ -81,6 +88,7 @@ def test_openai_sdk_sees_rate_limit_error_with_retry_after_and_can_honour_it(sim
         assert float(h["retry-after-ms"]) > 0 and int(h["retry-after"]) >= 1
         assert h["x-usefulwork-shed-reason"] == "predicted_wait"
         assert err.body["code"] == "predicted_wait"
+        assert int(h["x-ratelimit-remaining-requests"]) >= 997  # (a shed carries them too)
         assert r.usage.completion_tokens == 8  # the SDK waited as told and got in
     finally:
         gw.stop()
@@ -182,14 +190,21 @@ def test_two_gateways_share_rpm_and_budget_through_redis(sim, tmp_path, redis_ur
             async with httpx.AsyncClient(timeout=60) as c:
                 rs = await asyncio.gather(*(c.post(gws[i % 2].base_url + "/v1/completions", json=body(1),
                                                    headers={"authorization": "Bearer kb"}) for i in range(160)))
-            return [r.status_code for r in rs], [r.headers.get("x-usefulwork-shed-reason") for r in rs]
+            return [r.status_code for r in rs], [r.headers.get("x-usefulwork-shed-reason") for r in rs], \
+                [r.headers for r in rs]
 
         t0 = time.monotonic()
-        statuses, reasons = asyncio.run(burst())
+        statuses, reasons, headers = asyncio.run(burst())
         elapsed = time.monotonic() - t0
         ok = statuses.count(200)
         assert ok >= 100 and ok <= (100 + 100 / 60 * elapsed) * 1.01, (ok, elapsed)
         assert all(s == 429 and why == "rpm" for s, why in zip(statuses, reasons) if s != 200)
+        # OpenAI's rate-limit headers on every answer: the fleet's bucket as each gateway last saw it
+        assert all(h["x-ratelimit-limit-requests"] == "100" and "x-ratelimit-limit-tokens" not in h for h in headers)
+        left = [int(h["x-ratelimit-remaining-requests"]) for h in headers]
+        assert all(0 <= n <= 99 for n in left) and min(left) == 0
+        assert all(n <= 1 for n, s in zip(left, statuses) if s == 429)  # (under one: refilling since)
+        assert all(h["x-ratelimit-reset-requests"] for h in headers)
 
         # Each request: ~60 prompt + 4 output tokens at $10,000 / 1M = ~$0.64; budget $3 across both.
         served = 0
@@ -204,6 +219,7 @@ def test_two_gateways_share_rpm_and_budget_through_redis(sim, tmp_path, redis_ur
         for g in gws:  # both gateways refuse now, and the tenant's own stats say why on either
             r = httpx.post(g.base_url + "/v1/completions", json=body(4), headers={"authorization": "Bearer ks"})
             assert r.status_code == 429 and r.headers["x-usefulwork-shed-reason"] == "budget"
+            assert not any(k.startswith("x-ratelimit-") for k in r.headers)  # (a budget alone: no rpm / tpm)
             mine = httpx.get(g.base_url + "/usefulwork/stats", headers={"authorization": "Bearer ks"}).json()
             assert mine["limits"]["budget_usd_per_day"] == 3.0 and mine["limits"]["spent_today_usd"] >= 3.0
             assert mine["limits"]["budget_left_usd"] == 0.0 and set(mine["tenants"]) == {"spend"}

@@ -16,7 +16,8 @@ import pytest
 
 from tests.conftest import drop_redis_keys, free_port
 from usefulwork.gateway.admission.lease import LeasedLimits
-from usefulwork.gateway.admission.limits import FailoverLimits, LocalLimits, RedisLimits, StoreDown
+from usefulwork.gateway.admission.limits import (FailoverLimits, LocalLimits, RedisLimits, StoreDown, go_duration,
+                                                ratelimit_headers)
 from usefulwork.gateway.tenants import TenantCfg
 
 
@@ -33,6 +34,63 @@ def test_local_bucket_refills_on_the_virtual_clock():
         now[0] = 1.0  # one request's worth refilled
         assert (await lim.check("t", cfg, 10)).ok
         assert not (await lim.check("t", cfg, 10)).ok
+
+    asyncio.run(go())
+
+
+def test_headroom_becomes_openais_ratelimit_headers_on_the_virtual_clock():
+    now = [0.0]
+    lim = LocalLimits(clock=lambda: now[0])
+    cfg = TenantCfg(rpm=60, tpm=1000)
+
+    async def go():
+        assert (await lim.check("t", cfg, 100)).ok
+        assert lim.headroom("t", cfg) == (59.0, 900.0)
+        h = dict(ratelimit_headers(cfg, lim.headroom("t", cfg)))
+        assert h == {b"x-ratelimit-limit-requests": b"60", b"x-ratelimit-remaining-requests": b"59",
+                     b"x-ratelimit-reset-requests": b"1s", b"x-ratelimit-limit-tokens": b"1000",
+                     b"x-ratelimit-remaining-tokens": b"900", b"x-ratelimit-reset-tokens": b"6s"}
+        now[0] = 0.5  # refilled: half a request, 8.33 tokens
+        assert lim.headroom("t", cfg) == (pytest.approx(59.5), pytest.approx(908.333, abs=1e-3))
+        await lim.settle("t", cfg, 2000, 0.0)  # the answer was 2000 tokens longer than reserved: below zero
+        h = dict(ratelimit_headers(cfg, lim.headroom("t", cfg)))
+        assert h[b"x-ratelimit-remaining-tokens"] == b"0" and h[b"x-ratelimit-reset-tokens"] == b"2m5.5s"
+        assert (await lim.check("u", TenantCfg(rpm=10), 1)).ok  # an rpm-only tenant: no token headers
+        assert set(dict(ratelimit_headers(TenantCfg(rpm=10), lim.headroom("u", TenantCfg(rpm=10))))) == {
+            b"x-ratelimit-limit-requests", b"x-ratelimit-remaining-requests", b"x-ratelimit-reset-requests"}
+        # (nothing known yet: the limit alone)
+        assert ratelimit_headers(cfg, (None, None)) == [(b"x-ratelimit-limit-requests", b"60"),
+                                                        (b"x-ratelimit-limit-tokens", b"1000")]
+
+    asyncio.run(go())
+    assert [go_duration(s) for s in (0.0, 0.0204, 0.9996, 1.0, 8.64, 59.9999, 60.0, 65.5)] == \
+        ["0ms", "20ms", "1000ms", "1s", "8.64s", "1m0s", "1m0s", "1m5.5s"]
+
+
+@pytest.mark.parametrize("store", [RedisLimits, LeasedLimits])
+def test_headroom_is_the_fleets_as_of_the_last_script_call(redis_url, store):
+    """Two processes' stores on one prefix: what each reports left counts the other's takes up to its own
+    last call to Redis (leased: plus the grant it holds)."""
+    prefix = f"uwtest:{uuid.uuid4().hex}"
+    a, b = store(redis_url, prefix), store(redis_url, prefix)
+    cfg = TenantCfg(rpm=600, tpm=100_000)
+
+    async def go():
+        try:
+            assert a.headroom("t", cfg) == (None, None)  # nothing known before the first call
+            for _ in range(5):
+                assert (await a.check("t", cfg, 100)).ok
+            for _ in range(3):
+                assert (await b.check("t", cfg, 100)).ok
+            r, k = b.headroom("t", cfg)
+            # 8 taken by both (+ 10 per second refilled while the test ran; leased: less what a holds unused)
+            assert 592 - 7 <= r <= 592 + 3 and 99_200 - 700 <= k <= 99_200 + 600, (r, k)
+            r_a, _ = a.headroom("t", cfg)
+            assert r_a >= r  # a's last call was before b's three takes
+        finally:
+            await a.close()
+            await b.close()
+            drop_redis_keys(redis_url, prefix)
 
     asyncio.run(go())
 

@@ -7,7 +7,8 @@ is over its fair share, as vLLM's ``priority`` when the pool's replicas run ``--
 priority``). Queued: wait until a slot frees or the deadline passes. Shed: answer 429 with an OpenAI-style body, ``retry-after`` / ``retry-after-ms``
 and ``x-usefulwork-shed-reason``, at arrival whenever the prediction already says the deadline
 cannot be met. A tenant whose policy allows it is degraded (``max_tokens`` capped, or sent to a
-cheaper pool) instead of shed.
+cheaper pool) instead of shed. Every answer to a tenant with an rpm or a tpm carries OpenAI's
+``x-ratelimit-*`` headers (``limits.ratelimit_headers``: what it has left, as this process knows it).
 
 The slot is released however the request ends: by the reply's ``on_close`` once the answer was
 sent (with the final usage in ``call.ctx``, which also settles the tenant's tokens and spend), or
@@ -33,7 +34,7 @@ from usefulwork.gateway.admission.capacity import Capacity, Sample
 from usefulwork.gateway.admission.config import AdmissionCfg
 from usefulwork.gateway.admission.lease import LeasedLimits
 from usefulwork.gateway.admission.limits import (FailoverLimits, FairShareSync, Limits, LocalLimits, RedisLimits,
-                                                StoreDown, seconds_to_midnight)
+                                                StoreDown, ratelimit_headers, seconds_to_midnight)
 from usefulwork.gateway.admission.queue import PoolQueue, Ticket, retry_after_header
 from starlette.requests import Request
 from starlette.responses import Response
@@ -79,6 +80,12 @@ def _error(status: int, message: str, code: str, headers: list[tuple[bytes, byte
            param: str | None = None) -> Reply:
     body = error_body(status, message, code=code, param=param)
     return Reply(status, [*JSON_HEADERS, (b"content-length", str(len(body)).encode()), *(headers or [])], body=body)
+
+
+def _with(reply: Reply, headers: list[tuple[bytes, bytes]] | None) -> Reply:
+    if headers:
+        reply.headers = [*reply.headers, *headers]
+    return reply
 
 
 def expected_tokens(call: Call) -> tuple[int, int | None]:
@@ -199,10 +206,13 @@ class AdmissionFilter:
         except StoreDown:
             return self._refuse(call, 503, "rate-limit store unavailable (on_redis_down: closed)", "limits_unavailable",
                                 None, 5.0)
+        # (OpenAI's x-ratelimit-* headers on every answer to a tenant with an rpm or tpm: what it has left)
+        rl = None if tenant_cfg.rpm is None and tenant_cfg.tpm is None else \
+            ratelimit_headers(tenant_cfg, self.limits.headroom(ctx.tenant, tenant_cfg))
         if not verdict.ok:
             self.decisions["limited"] += 1
-            return self._refuse(call, 429, _MESSAGES[verdict.reason].format(tenant=ctx.tenant, pool=""), verdict.reason,
-                                None, verdict.retry_after_s)
+            return _with(self._refuse(call, 429, _MESSAGES[verdict.reason].format(tenant=ctx.tenant, pool=""),
+                                      verdict.reason, None, verdict.retry_after_s), rl)
         queue = self.queue_for(call)
         now = self.clock()
         cls = PRIORITIES.index(p)
@@ -220,7 +230,7 @@ class AdmissionFilter:
             if decision.kind == "shed":
                 await self._settle(ctx.tenant, tenant_cfg, -tokens, 0.0)  # not served: give the tokens back
                 settled = True
-                return self._shed(call, queue, t, decision.reason, decision.retry_after_s)
+                return _with(self._shed(call, queue, t, decision.reason, decision.retry_after_s), rl)
             if decision.kind == "queue":
                 self.decisions["queued"] += 1
                 ctx.admission = ctx.admission or "queued"
@@ -229,7 +239,7 @@ class AdmissionFilter:
                     await self._settle(ctx.tenant, tenant_cfg, -tokens, 0.0)
                     settled = True
                     # (shed from the queue: ``PoolQueue._drop`` gave it its Retry-After and held its place)
-                    return self._shed(call, queue, t, t.shed_reason or "deadline", t.retry_after_s)
+                    return _with(self._shed(call, queue, t, t.shed_reason or "deadline", t.retry_after_s), rl)
             else:
                 self.decisions["admit"] += 1
                 ctx.admission = ctx.admission or "admit"
@@ -253,7 +263,7 @@ class AdmissionFilter:
                 self._spawn(self._settle(ctx.tenant, tenant_cfg, -tokens, 0.0))
             raise
         reply.on_close(lambda: self._finish(queue, t, call, tenant_cfg, tokens))
-        return reply
+        return _with(reply, rl)
 
     # -- decisions --
     def _degrade(self, call: Call, queue: PoolQueue, t: Ticket, decision, policy, now: float):

@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from usefulwork.gateway.admission.limits import (LUA_LEVEL, OK, RedisLimits, Verdict, day_key,
+from usefulwork.gateway.admission.limits import (LUA_LEVEL, OK, Headroom, RedisLimits, Verdict, day_key,
                                                 seconds_to_midnight)
 from usefulwork.gateway.tenants import TenantCfg
 from usefulwork.tasks import cancel_and_wait
@@ -43,7 +43,8 @@ log = logging.getLogger("usefulwork.admission")
 RATE_TAU_S = 0.5  # the arrival rate's memory
 
 # Settle (delta, usd), give back (give_r, give_t), then take up to ``want`` requests (the first needs
-# ``need`` tokens, each further one ``each``): {requests, tokens, spent today, refusal reason, retry-after}.
+# ``need`` tokens, each further one ``each``): {requests, tokens, spent today, refusal reason, retry-after,
+# the rpm and tpm buckets' levels after it}.
 _LEASE = LUA_LEVEL + """
 local rpm, tpm, budget = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local delta, usd = tonumber(ARGV[4]), tonumber(ARGV[5])
@@ -63,23 +64,25 @@ elseif budget >= 0 then
   spent = tonumber(redis.call('GET', KEYS[3]) or '0')
 end
 local s = tostring(spent)
-if want <= 0 then return {0, '0', s, '', '0'} end
-if budget >= 0 and spent >= budget then return {0, '0', s, 'budget', '-1'} end
-local n, r, k, toks = want, 0, 0, 0
+local r, k = 0, 0
+if rpm > 0 then r = level(KEYS[1], rpm) end
+if tpm > 0 then k = level(KEYS[2], tpm) end
+local rs, ks = tostring(r), tostring(k)
+if want <= 0 then return {0, '0', s, '', '0', rs, ks} end
+if budget >= 0 and spent >= budget then return {0, '0', s, 'budget', '-1', rs, ks} end
+local n, toks = want, 0
 if rpm > 0 then
-  r = level(KEYS[1], rpm)
-  if r < 1 then return {0, '0', s, 'rpm', tostring((1 - r) * 60.0 / rpm)} end
+  if r < 1 then return {0, '0', s, 'rpm', tostring((1 - r) * 60.0 / rpm), rs, ks} end
   n = math.min(n, math.floor(r))
 end
 if tpm > 0 then
-  if need > tpm then return {0, '0', s, 'tpm_too_large', '60'} end
-  k = level(KEYS[2], tpm)
-  if k < need then return {0, '0', s, 'tpm', tostring((need - k) * 60.0 / tpm)} end
+  if need > tpm then return {0, '0', s, 'tpm_too_large', '60', rs, ks} end
+  if k < need then return {0, '0', s, 'tpm', tostring((need - k) * 60.0 / tpm), rs, ks} end
   toks = math.min(k, need + (n - 1) * each)
 end
 if rpm > 0 then put(KEYS[1], r - n) end
 if tpm > 0 then put(KEYS[2], k - toks) end
-return {n, tostring(toks), s, '', '0'}
+return {n, tostring(toks), s, '', '0', tostring(r - n), tostring(k - toks)}
 """
 
 
@@ -233,7 +236,7 @@ class LeasedLimits(RedisLimits):
         budget = -1.0 if cfg.budget_usd_per_day is None else cfg.budget_usd_per_day
         day = day_key()
         try:
-            n, toks, spent, reason, retry = await self._lease(
+            n, toks, spent, reason, retry, rpm_level, tpm_level = await self._lease(
                 keys=self._keys(tenant), args=[cfg.rpm or 0, cfg.tpm or 0, repr(float(budget)), repr(float(delta)),
                                                repr(float(usd)), give_req, repr(float(give_tok)), want, need,
                                                repr(float(st.each))])
@@ -245,6 +248,7 @@ class LeasedLimits(RedisLimits):
             st.tok += give_tok
             raise
         self.failing = False
+        self._saw(tenant, cfg, rpm_level, tpm_level)
         st.req += int(n)
         st.tok += float(toks)
         st.spent, st.day = float(spent), day
@@ -308,6 +312,15 @@ class LeasedLimits(RedisLimits):
         except Exception as exc:  # noqa: BLE001 - kept pending; sent with the next call that succeeds
             log.debug("admission: lease flush for %s failed: %s", tenant, exc)
             return False
+
+    def headroom(self, tenant: str, cfg: TenantCfg) -> Headroom:
+        """The fleet's buckets as of this process's last script call, refilled since, plus the grant it
+        holds: other processes' unused grants and their takes since then are not in it."""
+        r, k = super().headroom(tenant, cfg)
+        st = self.leases.get(tenant)
+        if st is None:
+            return r, k
+        return (None if r is None else r + st.req, None if k is None else k + st.tok)
 
     async def spent_today(self, tenant: str) -> float:
         st = self.leases.get(tenant)

@@ -22,6 +22,7 @@ Redis again every ``redis_retry_s`` and logs once more when it is back.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -41,6 +42,45 @@ class Verdict:
 
 
 OK = Verdict(True)
+
+# What a tenant may still send, per limit: (requests, tokens) left in its rpm / tpm buckets now, as this
+# process knows them (None: no such limit, or nothing known yet). Sent as OpenAI's x-ratelimit-* headers.
+Headroom = tuple[float | None, float | None]
+NO_HEADROOM: Headroom = (None, None)
+
+
+def refilled(level: float, cap: int, elapsed_s: float) -> float:
+    """A bucket's level ``elapsed_s`` after it was ``level`` (refilled continuously up to ``cap``)."""
+    return min(float(cap), level + max(0.0, elapsed_s) * cap / 60.0)
+
+
+def go_duration(s: float) -> str:
+    """Seconds as OpenAI writes its x-ratelimit-reset-* values (Go's durations): 20ms, 8.64s, 1m0s."""
+    if s < 1.0:
+        return f"{max(0, round(s * 1000.0))}ms"
+    m, sec = divmod(round(s, 3), 60.0)
+    text = f"{sec:.3f}".rstrip("0").rstrip(".") + "s"
+    return f"{int(m)}m{text}" if m else text
+
+
+_RL_NAMES = ((b"x-ratelimit-limit-requests", b"x-ratelimit-remaining-requests", b"x-ratelimit-reset-requests"),
+             (b"x-ratelimit-limit-tokens", b"x-ratelimit-remaining-tokens", b"x-ratelimit-reset-tokens"))
+
+
+def ratelimit_headers(cfg: TenantCfg, left: Headroom) -> list[tuple[bytes, bytes]]:
+    """OpenAI's ``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` for the tenant's rpm / tpm:
+    the limit per minute, what is left now (this request's share taken) and when the bucket is full
+    again. Remaining and reset are left out while not known."""
+    out: list[tuple[bytes, bytes]] = []
+    for (limit, remaining, reset), cap, lvl in zip(_RL_NAMES, (cfg.rpm, cfg.tpm), left):
+        if cap is None:
+            continue
+        out.append((limit, b"%d" % cap))
+        if lvl is not None:
+            lvl = cap if lvl > cap else lvl  # (below 0 after a long answer: longer than a minute to refill)
+            out.append((remaining, b"%d" % (lvl if lvl > 0.0 else 0)))
+            out.append((reset, go_duration((cap - lvl) * 60.0 / cap).encode()))
+    return out
 
 
 def day_key(now: float | None = None) -> str:
@@ -62,6 +102,10 @@ class Limits(Protocol):
         """US dollars booked against the tenant's budget this UTC day (None: not known now)."""
         ...
 
+    def headroom(self, tenant: str, cfg: TenantCfg) -> Headroom:
+        """What the tenant may still send now, as this process knows it (no I/O)."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -76,7 +120,12 @@ class LocalLimits:
 
     def _level(self, key: tuple[str, str], cap: int, now: float) -> float:
         level, ts = self._buckets.get(key, (float(cap), now))
-        return min(float(cap), level + (now - ts) * cap / 60.0)
+        return refilled(level, cap, now - ts)
+
+    def headroom(self, tenant: str, cfg: TenantCfg) -> Headroom:
+        now = self.clock()
+        return (None if cfg.rpm is None else self._level((tenant, "rpm"), cfg.rpm, now),
+                None if cfg.tpm is None else self._level((tenant, "tpm"), cfg.tpm, now))
 
     async def check(self, tenant: str, cfg: TenantCfg, tokens: int) -> Verdict:
         if not cfg.limited:
@@ -133,21 +182,20 @@ _CHECK = LUA_LEVEL + """
 local rpm, tpm, cost, budget = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 if budget >= 0 then
   local spent = tonumber(redis.call('GET', KEYS[3]) or '0')
-  if spent >= budget then return {0, 'budget', '-1'} end
+  if spent >= budget then return {0, 'budget', '-1', '', ''} end
 end
 local r, k = 0, 0
-if rpm > 0 then
-  r = level(KEYS[1], rpm)
-  if r < 1 then return {0, 'rpm', tostring((1 - r) * 60.0 / rpm)} end
-end
+if rpm > 0 then r = level(KEYS[1], rpm) end
+if tpm > 0 then k = level(KEYS[2], tpm) end
+local rs, ks = tostring(r), tostring(k)
+if rpm > 0 and r < 1 then return {0, 'rpm', tostring((1 - r) * 60.0 / rpm), rs, ks} end
 if tpm > 0 then
-  if cost > tpm then return {0, 'tpm_too_large', '60'} end
-  k = level(KEYS[2], tpm)
-  if k < cost then return {0, 'tpm', tostring((cost - k) * 60.0 / tpm)} end
+  if cost > tpm then return {0, 'tpm_too_large', '60', rs, ks} end
+  if k < cost then return {0, 'tpm', tostring((cost - k) * 60.0 / tpm), rs, ks} end
 end
 if rpm > 0 then redis.call('HSET', KEYS[1], 'level', tostring(r - 1), 'ts', tostring(now)); redis.call('EXPIRE', KEYS[1], 120) end
 if tpm > 0 then redis.call('HSET', KEYS[2], 'level', tostring(k - cost), 'ts', tostring(now)); redis.call('EXPIRE', KEYS[2], 120) end
-return {1, '', '0'}
+return {1, '', '0', tostring(r - 1), tostring(k - cost)}
 """
 
 _SETTLE = """
@@ -182,8 +230,28 @@ class RedisLimits:
                                                         socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self.r = aioredis.Redis(connection_pool=pool)
         self.prefix = prefix
+        self.clock: Callable[[], float] = time.monotonic
         self._check = self.r.register_script(_CHECK)
         self._settle = self.r.register_script(_SETTLE)
+        self._seen: dict[str, tuple[float | None, float | None, float]] = {}  # tenant -> (rpm, tpm levels, at)
+
+    def _saw(self, tenant: str, cfg: TenantCfg, rpm_level, tpm_level) -> None:
+        """Keep the fleet's bucket levels a script call returned (empty: not read), for ``headroom``."""
+        if rpm_level in (b"", "") and tpm_level in (b"", ""):
+            return  # (refused on its budget before the buckets were read: what was known stands)
+        self._seen[tenant] = (float(rpm_level) if cfg.rpm is not None else None,
+                              float(tpm_level) if cfg.tpm is not None else None, self.clock())
+
+    def headroom(self, tenant: str, cfg: TenantCfg) -> Headroom:
+        """The levels of the tenant's last script call here, refilled since: other processes' takes since
+        then are not in it."""
+        seen = self._seen.get(tenant)
+        if seen is None:
+            return NO_HEADROOM
+        r, k, at = seen
+        dt = self.clock() - at
+        return (None if r is None or cfg.rpm is None else refilled(r, cfg.rpm, dt),
+                None if k is None or cfg.tpm is None else refilled(k, cfg.tpm, dt))
 
     def _keys(self, tenant: str) -> list[str]:
         p = f"{self.prefix}:{tenant}"
@@ -193,8 +261,9 @@ class RedisLimits:
         if not cfg.limited:
             return OK
         budget = -1.0 if cfg.budget_usd_per_day is None else cfg.budget_usd_per_day
-        ok, reason, retry = await self._check(keys=self._keys(tenant),
-                                              args=[cfg.rpm or 0, cfg.tpm or 0, tokens, repr(float(budget))])
+        ok, reason, retry, rpm_level, tpm_level = await self._check(
+            keys=self._keys(tenant), args=[cfg.rpm or 0, cfg.tpm or 0, tokens, repr(float(budget))])
+        self._saw(tenant, cfg, rpm_level, tpm_level)
         if ok:
             return OK
         reason = reason.decode() if isinstance(reason, bytes) else reason
@@ -287,6 +356,9 @@ class FailoverLimits:
             except Exception as exc:  # noqa: BLE001
                 self._failed(exc)
         await self.local.settle(tenant, cfg, token_delta, usd)
+
+    def headroom(self, tenant: str, cfg: TenantCfg) -> Headroom:
+        return (self.local if self.down else self.shared).headroom(tenant, cfg)
 
     async def spent_today(self, tenant: str) -> float | None:
         """The fleet's figure from Redis; None while it does not answer (this process's own count since
