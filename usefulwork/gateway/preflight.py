@@ -3,7 +3,7 @@ directories it must write, each problem naming the field.
 
 A config can validate and still not start: a classifier head that is not there, a prefix picker's
 tokenizer folder without ``tokenizer.json`` (the picker would silently hash characters instead), a
-ledger, journal or recording directory that cannot be created. `usefulwork serve` exits 2 with those
+ledger, journal (when ``ledger.journal_dir`` is set) or recording directory that cannot be created. `usefulwork serve` exits 2 with those
 errors before it binds anything (a traceback from deep inside the app's assembly before); `serve
 --check` prints them as warnings, because they depend on where it runs (a deploy pipeline has neither
 the pod's volumes nor the image's files), as it does for an unreachable Redis.
@@ -48,8 +48,10 @@ def _dirs(cfg: Config) -> list[tuple[str, Path]]:
     out = []
     if led.jsonl_path:
         out.append(("ledger.jsonl_path", Path(led.jsonl_path).parent))
-    if (journal := journal_dir_for(led)) is not None:
-        out.append(("ledger.journal_dir" if led.journal_dir else "ledger.journal_dir (unset: its default)", journal))
+    if led.journal_dir and (journal := journal_dir_for(led)) is not None:
+        # (only one asked for: where the default cannot be written, the ledger serves on without its
+        # journal and says so at start, as ``Ledger.start`` does for any journal that will not open)
+        out.append(("ledger.journal_dir", journal))
     if "record" in cfg.filters:
         out.append(("record.dir", Path(cfg.record.dir)))
     return out
