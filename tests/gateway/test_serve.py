@@ -183,3 +183,37 @@ def test_port_0_says_the_port_it_listens_on(tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
+
+
+def test_each_redis_that_fails_open_is_named_at_start_not_at_first_use(tmp_path, redis_url):
+    """admission's, the ledger's and the cache's Redis fail open by design (limits per process, records
+    held, lookups missed): `--check` says per field whether it answers from here, and `serve` starts
+    and says at once which does not, naming the field and what it does meanwhile; never the password."""
+    import re
+    import signal
+
+    import httpx
+
+    f = tmp_path / "gw.yaml"
+    f.write_text("pools:\n  - {name: p, models: [m], replicas: ['http://127.0.0.1:9']}\n"
+                 "filters: [admission]\n"
+                 "admission: {redis_url: 'redis://:hunter2@127.0.0.1:1/0'}\n"  # nothing listens on port 1
+                 f"ledger: {{redis_url: '{redis_url}', jsonl_path: '{tmp_path}/ledger.jsonl'}}\n")
+    r = _serve("--config", str(f), "--check")
+    assert r.returncode == 0 and r.stdout.rstrip().endswith("config OK"), r.stderr
+    assert ("warning: admission.redis_url: Redis at redis://:***@127.0.0.1:1/0 cannot be reached" in r.stdout
+            and "(here; `serve` starts, and tenant limits are per process until it answers)" in r.stdout)
+    assert "ledger.redis_url: reachable from here" in r.stdout and "hunter2" not in r.stdout + r.stderr
+    proc = subprocess.Popen([sys.executable, "-m", "usefulwork.cli", "serve", "--config", str(f), "--port", "0"],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        said = [proc.stderr.readline() for _ in range(2)]
+        assert said[0].startswith("[usefulwork] warning: admission.redis_url: Redis at redis://:***@127.0.0.1:1/0 "
+                                  "cannot be reached") and "serving, and tenant limits are per process" in said[0]
+        m = re.search(r"listening on http://127\.0\.0\.1:(\d+)/v1", said[1])
+        assert m, said
+        r = httpx.get(f"http://127.0.0.1:{m.group(1)}/healthz", timeout=10)
+        assert r.status_code == 200 and "hunter2" not in "".join(said)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0

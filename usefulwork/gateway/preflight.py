@@ -7,6 +7,11 @@ ledger, journal (when ``ledger.journal_dir`` is set) or recording directory that
 errors before it binds anything (a traceback from deep inside the app's assembly before); `serve
 --check` prints them as warnings, because they depend on where it runs (a deploy pipeline has neither
 the pod's volumes nor the image's files), as it does for an unreachable Redis.
+
+Each Redis the config names is pinged once too (``redis_reach``). ``scale_out.redis_url`` unreachable
+stops `serve` (workers and replicas could not act as one gateway); the others fail open by design
+(limits per process, records held, cache lookups missed), so `serve` starts and says so at once,
+naming the field, rather than on the first request that needs it.
 """
 
 from __future__ import annotations
@@ -40,6 +45,60 @@ def problems(cfg: Config, create: bool = True) -> list[str]:
         if (why := _unwritable(directory, create)) is not None:
             out.append(f"{field}: {why}")
     return list(dict.fromkeys(out))  # (a default picker shared by several pools: said once)
+
+
+def redis_uses(cfg: Config) -> list[tuple[str, str, str]]:
+    """(field, URL, what the gateway does while it does not answer) for each Redis it will use; the
+    first, when set, is ``scale_out.redis_url`` (no fallback: serve exits 2)."""
+    out = []
+    if cfg.scale_out.redis_url:
+        out.append(("scale_out.redis_url", cfg.scale_out.redis_url, ""))
+    adm = cfg.admission
+    if "admission" in cfg.filters and adm.redis_url:
+        out.append(("admission.redis_url", adm.redis_url,
+                    "limited tenants get 503 until it answers (admission.on_redis_down: closed)"
+                    if adm.on_redis_down == "closed" else "tenant limits are per process until it answers"))
+    if cfg.ledger.redis_url:
+        out.append(("ledger.redis_url", cfg.ledger.redis_url,
+                    "the ledger holds its records for the Redis Stream (and journals them) until it answers"))
+    if "cache" in cfg.filters and cfg.cache.redis_url:
+        out.append(("cache.redis_url", cfg.cache.redis_url, "every cache lookup misses until it answers"))
+    return out
+
+
+def redis_reach(cfg: Config, scale_out: bool | None = None,
+                timeout_s: float = 2.0) -> list[tuple[str, str | None, str]]:
+    """(field, why it cannot be reached from here or None, what the gateway does meanwhile) for each of
+    ``redis_uses`` (``scale_out``: that one alone; False: all but it): one ping per distinct URL."""
+    import redis  # noqa: PLC0415
+
+    seen: dict[str, str | None] = {}
+    out = []
+    for field, url, meanwhile in redis_uses(cfg):
+        if scale_out is not None and (field == "scale_out.redis_url") != scale_out:
+            continue
+        if url not in seen:
+            try:
+                redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s).ping()
+                seen[url] = None
+            except (redis.RedisError, ValueError) as exc:
+                seen[url] = f"Redis at {no_password(url)} cannot be reached: {exc}"
+        out.append((field, seen[url], meanwhile))
+    return out
+
+
+def no_password(url: str) -> str:
+    """``url`` with any password replaced by ``***`` (redis://user:secret@host -> redis://user:***@host)."""
+    from urllib.parse import urlsplit, urlunsplit  # noqa: PLC0415
+
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+        user = f"{parts.username}:***@" if parts.username else ":***@"
+        return urlunsplit(parts._replace(netloc=user + parts.netloc.rpartition("@")[2]))
+    except ValueError:
+        return "<unparseable URL>"
 
 
 def _dirs(cfg: Config) -> list[tuple[str, Path]]:

@@ -202,27 +202,12 @@ def check_scale_out(cfg: Config, reach: bool = True) -> str | None:
 
 def unreachable_scale_out(cfg: Config) -> str | None:
     """Why ``scale_out.redis_url`` cannot be reached from here (naming the field), else None."""
-    import redis
+    from usefulwork.gateway.preflight import redis_reach
 
-    try:
-        redis.Redis.from_url(cfg.scale_out.redis_url, socket_connect_timeout=2, socket_timeout=2).ping()
-    except (redis.RedisError, ValueError) as exc:
-        return f"scale_out.redis_url: Redis at {_no_password(cfg.scale_out.redis_url)} cannot be reached: {exc}"
+    for field, why, _ in redis_reach(cfg, scale_out=True):
+        if why is not None:
+            return f"{field}: {why}"
     return None
-
-
-def _no_password(url: str) -> str:
-    """``url`` with any password replaced by ``***`` (redis://user:secret@host -> redis://user:***@host)."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    try:
-        parts = urlsplit(url)
-        if parts.password is None:
-            return url
-        user = f"{parts.username}:***@" if parts.username else ":***@"
-        return urlunsplit(parts._replace(netloc=user + parts.netloc.rpartition("@")[2]))
-    except ValueError:
-        return "<unparseable URL>"
 
 
 def describe(cfg: Config) -> str:
@@ -286,9 +271,11 @@ def run(args: argparse.Namespace) -> int:
     if not cfg.pools and args.config is not None and cfg.local_fleet is None:
         print(f"usefulwork: {cfg.source}: pools: no pools configured (and no local_fleet section)", file=sys.stderr)
         return 2
-    from usefulwork.gateway.preflight import problems
+    from usefulwork.gateway.preflight import problems, redis_reach
 
     found = problems(cfg, create=not args.check)
+    # (each Redis that fails open is pinged once: said at start, naming the field, not at its first use)
+    reach = redis_reach(cfg, scale_out=False) if args.check or not found else []
     if args.check:
         # Valid wherever it is checked; whether its Redis answers, its files are there and its directories
         # can be written depends on where: a pipeline outside the cluster has neither the in-cluster Redis
@@ -300,12 +287,18 @@ def run(args: argparse.Namespace) -> int:
                   else "scale_out Redis: reachable from here")
         for problem in found:
             print(f"warning: {problem} (here; `serve` exits 2 on it)")
+        for field, why, meanwhile in reach:
+            print(f"warning: {field}: {why} (here; `serve` starts, and {meanwhile})" if why
+                  else f"{field}: reachable from here")
         print("config OK")
         return 0
     if found:
         for problem in found:
             print(f"usefulwork: {cfg.source}: {problem}", file=sys.stderr)
         return 2
+    for field, why, meanwhile in reach:
+        if why:
+            _say(f"warning: {field}: {why}; serving, and {meanwhile}")
     if cfg.pools:
         return serve_configured(cfg, args.log_level, loaded)
     return _serve_embedded(cfg, args, loaded)
