@@ -62,6 +62,8 @@ def test_hash_key_cli_prints_a_new_key_and_its_hash():
     ({"budget_usd_per_month": 5}, "tenants.acme.budget_usd_per_month", "Extra inputs"),
     ({"key_hashes": ["my-plain-key"]}, "tenants.acme.key_hashes", "sha256:"),
     ({"priority": "urgent"}, "tenants.acme.priority", "interactive"),
+    ({"max_priority": "vip"}, "tenants.acme.max_priority", "interactive"),
+    ({"max_priority": "batch"}, "tenants.acme", "priority 'interactive' is above max_priority 'batch'"),
     ({"weight": 0}, "tenants.acme.weight", "greater than 0"),
     ({"rpm": 0}, "tenants.acme.rpm", "greater than or equal to 1"),
 ])
@@ -93,7 +95,8 @@ def test_which_says_whose_a_key_is_without_printing_it(tmp_path):
     """`usefulwork tenants which`: a client's 401 or 403 explained from the config; the key comes on stdin."""
     f = tmp_path / "gw.yaml"
     f.write_text(f"pools: [{{name: p, models: [m], replicas: ['http://127.0.0.1:9']}}]\n"
-                 f"tenants:\n  acme: {{key_hashes: ['{hash_key('k-acme')}'], rpm: 60, models: [m]}}\n"
+                 f"tenants:\n  acme: {{key_hashes: ['{hash_key('k-acme')}'], rpm: 60, models: [m], priority: batch, "
+                 f"max_priority: batch}}\n"
                  f"  old: {{key_hashes: ['{hash_key('k-old')}'], enabled: false}}\n"
                  f"auth: {{api_keys: {{k-plain: acme}}}}\n"
                  f"access: {{admin_key_hashes: ['{hash_key('k-admin')}'], metrics_token_hash: '{hash_key('k-prom')}'}}\n")
@@ -103,7 +106,7 @@ def test_which_says_whose_a_key_is_without_printing_it(tmp_path):
                               input=key + "\n", capture_output=True, text=True, timeout=60)
 
     r = which("k-acme")
-    assert r.returncode == 0 and r.stdout.strip() == "tenant 'acme': interactive, weight 1, rpm 60; models: m"
+    assert r.returncode == 0 and r.stdout.strip() == "tenant 'acme': batch (at most batch), weight 1, rpm 60; models: m"
     r = which("k-plain")
     assert r.returncode == 0 and "tenant 'acme' (auth.api_keys, in plain text" in r.stdout
     r = which("k-old")

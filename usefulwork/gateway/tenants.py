@@ -20,7 +20,7 @@ import math
 import secrets
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from usefulwork.gateway.errors import GatewayError
 
@@ -65,6 +65,9 @@ class TenantCfg(_Strict):
     tpm: int | None = Field(None, ge=1, description="Tokens (prompt + max_tokens, corrected to actual) per minute.")
     budget_usd_per_day: float | None = Field(None, ge=0, description="US dollars per UTC day (price-sheet cost); a plain number.")
     priority: Priority = Field("interactive", description="Default priority class (the x-usefulwork-priority header overrides).")
+    max_priority: Priority | None = Field(None, description="The highest class this tenant may ask for in "
+                                          "x-usefulwork-priority (a higher one gets 403 priority_not_allowed, "
+                                          "nothing forwarded); at or above its default priority. None: any.")
     weight: float = Field(1.0, gt=0, description="Fair-share weight: served tokens are divided by it.")
     degrade: Degrade | None = Field(None, description="Allowed degradations instead of a shed (None: never degrade).")
     models: list[str] | None = Field(None, description="The models (served or virtual, e.g. 'auto') this tenant may "
@@ -79,6 +82,17 @@ class TenantCfg(_Strict):
     def limited(self) -> bool:
         """It has an rpm, a tpm or a budget: something to count (shared through Redis across gateways)."""
         return self.rpm is not None or self.tpm is not None or self.budget_usd_per_day is not None
+
+    @model_validator(mode="after")
+    def _default_within_max(self) -> TenantCfg:
+        if self.max_priority is not None and PRIORITIES.index(self.priority) < PRIORITIES.index(self.max_priority):
+            raise ValueError(f"priority {self.priority!r} is above max_priority {self.max_priority!r}: the default "
+                             "class must be one the tenant may ask for")
+        return self
+
+    def allows(self, priority: Priority) -> bool:
+        """Whether this tenant may ask for ``priority`` (its ``max_priority`` or a lower class)."""
+        return self.max_priority is None or PRIORITIES.index(priority) >= PRIORITIES.index(self.max_priority)
 
     @field_validator("budget_usd_per_day", mode="before")
     @classmethod
@@ -212,7 +226,8 @@ def describe_key(tenants: Tenants, key: str) -> tuple[bool, str]:
     limits = ", ".join(f"{k} {v}" for k, v in (("rpm", t.rpm), ("tpm", t.tpm), ("budget $/day", t.budget_usd_per_day))
                        if v is not None) or "no limits"
     models = ", ".join(t.models) if t.models is not None else "all"
-    return True, f"tenant {name!r}{legacy}: {t.priority}, weight {t.weight:g}, {limits}; models: {models}"
+    cls = t.priority if t.max_priority is None else f"{t.priority} (at most {t.max_priority})"
+    return True, f"tenant {name!r}{legacy}: {cls}, weight {t.weight:g}, {limits}; models: {models}"
 
 
 def run(args: argparse.Namespace) -> int:

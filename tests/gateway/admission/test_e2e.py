@@ -157,12 +157,16 @@ def test_a_retry_reaching_another_gateway_is_not_counted_as_new_shed_demand(sim,
 
 def test_bad_input_nothing_forwarded(sim, tmp_path):
     gw = gateway(sim, tmp_path, tenants={"ok": {"key_hashes": [hash_key("good")]},
-                                         "off": {"key_hashes": [hash_key("disabled")], "enabled": False}})
+                                         "off": {"key_hashes": [hash_key("disabled")], "enabled": False},
+                                         "bulk": {"key_hashes": [hash_key("bulk")], "priority": "batch",
+                                                  "max_priority": "batch"}})
     try:
         before = httpx.get(sim.base_url + "/metrics").text.count("\n")
         url = gw.base_url + "/v1/completions"
         r = httpx.post(url, json=body(), headers={"authorization": "Bearer good", "x-usefulwork-priority": "vip"})
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_priority"
+        r = httpx.post(url, json=body(), headers={"authorization": "Bearer bulk", "x-usefulwork-priority": "interactive"})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "priority_not_allowed"
         for auth, status in (("Bearer wrong", 401), ("Basic ???", 401), ("Bearer disabled", 403), ("", 401)):
             r = httpx.post(url, json=body(), headers={"authorization": auth} if auth else {})
             assert r.status_code == status and "error" in r.json()

@@ -91,6 +91,31 @@ def test_unknown_priority_is_400_and_nothing_forwarded():
     assert "interactive" in err["message"]
 
 
+def test_a_tenant_may_not_ask_above_its_max_priority():
+    f = make_filter(make_cfg(tenants={"bulk": {"priority": "batch", "max_priority": "batch"}}))
+    be = Backend()
+
+    async def go():
+        reply = await f(make_call(f, tenant="bulk", priority="interactive"), be)
+        assert reply.status == 403 and be.calls == []
+        err = orjson.loads(reply.body)["error"]
+        assert (err["code"], err["param"]) == ("priority_not_allowed", "x-usefulwork-priority")
+        assert "'bulk' may not ask for priority 'interactive' (its highest: 'batch')" in err["message"]
+        got = []
+        for p in ("batch", "sheddable", None):  # its own class or lower, or none: its default
+            call = make_call(f, tenant="bulk", priority=p)
+            reply = await f(call, be)
+            assert reply.status == 200
+            await reply.aclose()
+            got.append(call.ctx.priority)
+        assert got == ["batch", "sheddable", "batch"] and len(be.calls) == 3
+        reply = await f(make_call(f, priority="interactive"), be)  # a tenant without max_priority: any class
+        assert reply.status == 200
+        await reply.aclose()
+
+    asyncio.run(go())
+
+
 def test_admitted_request_releases_its_slot_on_close_and_records_decision():
     f = make_filter(make_cfg())
 

@@ -1,8 +1,8 @@
 """The ``admission`` filter: tenant limits, then the pool's queue, then ``next`` once a slot is ours.
 
 Per request: read the priority (``x-usefulwork-priority``, else the tenant's default; 400 for an
-unknown one), check the tenant's rpm / tpm / budget (429), then offer it to its pool's queue
-(usefulwork/gateway/admission/queue.py). Admitted: call ``next`` (with the class, and whether the tenant
+unknown one, 403 for one above the tenant's ``max_priority``), check the tenant's rpm / tpm / budget
+(429), then offer it to its pool's queue (usefulwork/gateway/admission/queue.py). Admitted: call ``next`` (with the class, and whether the tenant
 is over its fair share, as vLLM's ``priority`` when the pool's replicas run ``--scheduling-policy
 priority``). Queued: wait until a slot frees or the deadline passes. Shed: answer 429 with an OpenAI-style body, ``retry-after`` / ``retry-after-ms``
 and ``x-usefulwork-shed-reason``, at arrival whenever the prediction already says the deadline
@@ -196,6 +196,10 @@ class AdmissionFilter:
                 return _error(400, f"unknown priority {raw_priority.decode('latin-1')[:40]!r} in "
                               f"x-usefulwork-priority; use one of: {', '.join(PRIORITIES)}", "invalid_priority",
                               param="x-usefulwork-priority")
+            if not tenant_cfg.allows(p):
+                ctx.error = "priority not allowed"
+                return _error(403, f"tenant {ctx.tenant!r} may not ask for priority {p!r} (its highest: "
+                              f"{tenant_cfg.max_priority!r})", "priority_not_allowed", param="x-usefulwork-priority")
         else:
             p = tenant_cfg.priority
         ctx.priority = p
