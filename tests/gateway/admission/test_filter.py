@@ -317,7 +317,7 @@ def test_rpm_then_budget_enforced_with_429_and_clear_message(store, request):
     out, spend, (spendy, acme) = asyncio.run(go())
     assert spendy["spent_today_usd"] == pytest.approx(2 * 0.116) and spendy["budget_left_usd"] == 0.0
     assert spendy["budget_usd_per_day"] == 0.2 and 0 < spendy["budget_resets_in_s"] <= 86400
-    assert acme == {"rpm": 3, "tpm": None, "budget_usd_per_day": None}
+    assert acme == {"rpm": 3, "tpm": None, "budget_usd_per_day": None, "requests_remaining": 0}
     assert [r.status for r in out] == [200, 200, 200, 429]
     err = orjson.loads(out[3].body)["error"]
     assert err["code"] == "rpm" and "requests-per-minute" in err["message"] and "'acme'" in err["message"]
@@ -394,7 +394,7 @@ def test_gateway_shows_admission_stats_to_the_admin_only():
     from usefulwork.gateway.app import build_app
 
     cfg = from_mapping({"pools": [{"name": "p", "models": [MODEL], "replicas": ["http://127.0.0.1:9"]}],
-                        "filters": ["admission"], "tenants": {"t": {"key_hashes": [hash_key("tk")]},
+                        "filters": ["admission"], "tenants": {"t": {"key_hashes": [hash_key("tk")], "rpm": 6},
                                                               "b": {"key_hashes": [hash_key("bk")], "budget_usd_per_day": 2.5}},
                         "access": {"admin_key_hashes": [hash_key("ak")]}}, environ={})
     app = build_app(cfg)
@@ -415,6 +415,7 @@ def test_gateway_shows_admission_stats_to_the_admin_only():
         st = c.get("/usefulwork/admission/tenants/t", headers={"authorization": "Bearer ak"}).json()
         assert st["settings"]["priority"] == "interactive" and "key_hashes" not in st["settings"]
         assert st["fair_share_tokens"]["p"] > 0
+        assert st["requests_remaining"] == 5 and st["tokens_remaining"] is None  # (one of its 6 a minute; 10 s to refill)
         # every tenant at once (who is near its budget), admin key only
         assert c.get("/usefulwork/admission/tenants", headers={"authorization": "Bearer tk"}).status_code == 401
         every = c.get("/usefulwork/admission/tenants", headers={"authorization": "Bearer ak"}).json()["tenants"]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 
 import orjson
 import time
@@ -412,11 +413,13 @@ class AdmissionFilter:
                         status_code=401, media_type="application/json")
 
     async def _status_of(self, name: str) -> dict[str, Any]:
-        """A tenant's settings (never its key hashes), today's spend and budget left, and its place in the
-        fair share (the counter and what it has queued, per pool)."""
+        """A tenant's settings (never its key hashes), today's spend and budget left, what its rpm / tpm
+        buckets hold now (as this process sees them), and its place in the fair share (the counter and what
+        it has queued, per pool)."""
         lim = await self.tenant_limits(name)
         return {"settings": self.tenants.settings(name).model_dump(exclude={"key_hashes"}),
                 "spent_today_usd": lim.get("spent_today_usd"), "budget_left_usd": lim.get("budget_left_usd"),
+                "requests_remaining": lim.get("requests_remaining"), "tokens_remaining": lim.get("tokens_remaining"),
                 "fair_share_tokens": {p: q.counters.get(name, 0.0) for p, q in self.queues.items()},
                 "queued": {p: sum(len(c.get(name, ())) for c in q.queues) for p, q in self.queues.items()}}
 
@@ -445,6 +448,11 @@ class AdmissionFilter:
         status. Spend is the fleet's (Redis) where limits are shared; None while Redis does not answer."""
         cfg = self.tenants.settings(name)
         out: dict[str, Any] = {"rpm": cfg.rpm, "tpm": cfg.tpm, "budget_usd_per_day": cfg.budget_usd_per_day}
+        # (what x-ratelimit-remaining-* would say now: this process's view, None before it has seen any)
+        for key, cap, left in zip(("requests_remaining", "tokens_remaining"), (cfg.rpm, cfg.tpm),
+                                  self.limits.headroom(name, cfg)):
+            if cap is not None:
+                out[key] = None if left is None else max(0, math.floor(min(left, cap)))
         if cfg.budget_usd_per_day is not None:
             try:
                 spent = await self.limits.spent_today(name)
