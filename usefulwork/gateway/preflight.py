@@ -3,10 +3,10 @@ directories it must write, each problem naming the field.
 
 A config can validate and still not start: a classifier head that is not there, a prefix picker's
 tokenizer folder without ``tokenizer.json`` (the picker would silently hash characters instead), a
-ledger, journal (when ``ledger.journal_dir`` is set) or recording directory that cannot be created. `usefulwork serve` exits 2 with those
-errors before it binds anything (a traceback from deep inside the app's assembly before); `serve
---check` prints them as warnings, because they depend on where it runs (a deploy pipeline has neither
-the pod's volumes nor the image's files), as it does for an unreachable Redis.
+ledger, journal (when ``ledger.journal_dir`` is set) or recording directory that cannot be created.
+`usefulwork serve` exits 2 with those errors before it binds anything (a traceback from deep inside the
+app's assembly before); `serve --check` prints them as warnings, because they depend on where it runs (a
+deploy pipeline has neither the pod's volumes nor the image's files), as it does for an unreachable Redis.
 
 Each Redis the config names is pinged once too (``redis_reach``). ``scale_out.redis_url`` unreachable
 stops `serve` (workers and replicas could not act as one gateway); the others fail open by design

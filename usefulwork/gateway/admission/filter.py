@@ -2,9 +2,9 @@
 
 Per request: read the priority (``x-usefulwork-priority``, else the tenant's default; 400 for an
 unknown one, 403 for one above the tenant's ``max_priority``), check the tenant's rpm / tpm / budget
-(429), then offer it to its pool's queue (usefulwork/gateway/admission/queue.py). Admitted: call ``next`` (with the class, and whether the tenant
-is over its fair share, as vLLM's ``priority`` when the pool's replicas run ``--scheduling-policy
-priority``). Queued: wait until a slot frees or the deadline passes. Shed: answer 429 with an OpenAI-style body, ``retry-after`` / ``retry-after-ms``
+(429), then offer it to its pool's queue (usefulwork/gateway/admission/queue.py). Admitted: call
+``next`` (with the class, and whether the tenant is over its fair share, as vLLM's ``priority`` when
+the pool's replicas run ``--scheduling-policy priority``). Queued: wait until a slot frees or the deadline passes. Shed: answer 429 with an OpenAI-style body, ``retry-after`` / ``retry-after-ms``
 and ``x-usefulwork-shed-reason``, at arrival whenever the prediction already says the deadline
 cannot be met. A tenant whose policy allows it is degraded (``max_tokens`` capped, or sent to a
 cheaper pool) instead of shed. Every answer to a tenant with an rpm or a tpm carries OpenAI's
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 
 import orjson
 import time
@@ -35,7 +34,7 @@ from usefulwork.gateway.admission.capacity import Capacity, Sample
 from usefulwork.gateway.admission.config import AdmissionCfg
 from usefulwork.gateway.admission.lease import LeasedLimits
 from usefulwork.gateway.admission.limits import (FailoverLimits, FairShareSync, Limits, LocalLimits, RedisLimits,
-                                                StoreDown, ratelimit_headers, seconds_to_midnight)
+                                                StoreDown, ratelimit_headers, seconds_to_midnight, whole_left)
 from usefulwork.gateway.admission.queue import PoolQueue, Ticket, retry_after_header
 from starlette.requests import Request
 from starlette.responses import Response
@@ -452,7 +451,7 @@ class AdmissionFilter:
         for key, cap, left in zip(("requests_remaining", "tokens_remaining"), (cfg.rpm, cfg.tpm),
                                   self.limits.headroom(name, cfg)):
             if cap is not None:
-                out[key] = None if left is None else max(0, math.floor(min(left, cap)))
+                out[key] = None if left is None else whole_left(left, cap)
         if cfg.budget_usd_per_day is not None:
             try:
                 spent = await self.limits.spent_today(name)

@@ -67,6 +67,11 @@ _RL_NAMES = ((b"x-ratelimit-limit-requests", b"x-ratelimit-remaining-requests", 
              (b"x-ratelimit-limit-tokens", b"x-ratelimit-remaining-tokens", b"x-ratelimit-reset-tokens"))
 
 
+def whole_left(level: float, cap: int) -> int:
+    """Whole requests (or tokens) a bucket at ``level`` still lets through: 0 below one, never above ``cap``."""
+    return int(min(level, cap)) if level > 0.0 else 0
+
+
 def ratelimit_headers(cfg: TenantCfg, left: Headroom) -> list[tuple[bytes, bytes]]:
     """OpenAI's ``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` for the tenant's rpm / tpm:
     the limit per minute, what is left now (this request's share taken) and when the bucket is full
@@ -77,9 +82,9 @@ def ratelimit_headers(cfg: TenantCfg, left: Headroom) -> list[tuple[bytes, bytes
             continue
         out.append((limit, b"%d" % cap))
         if lvl is not None:
-            lvl = cap if lvl > cap else lvl  # (below 0 after a long answer: longer than a minute to refill)
-            out.append((remaining, b"%d" % (lvl if lvl > 0.0 else 0)))
-            out.append((reset, go_duration((cap - lvl) * 60.0 / cap).encode()))
+            out.append((remaining, b"%d" % whole_left(lvl, cap)))
+            # (below 0 after a long answer: longer than a minute to refill)
+            out.append((reset, go_duration((cap - min(lvl, cap)) * 60.0 / cap).encode()))
     return out
 
 
