@@ -4,6 +4,8 @@ tenant; the same from the Redis Stream (real Redis); ranges, duplicates, lines t
 from __future__ import annotations
 
 import argparse
+import csv
+import io
 import json
 import subprocess
 import sys
@@ -19,7 +21,7 @@ import yaml
 
 from tests.conftest import drop_redis_keys
 from tests.gateway.accounting.test_shared import MODEL, chat, gateway_config, sim, start_gateway, stop, wait_ready  # noqa: F401
-from usefulwork.gateway.accounting.report import Report, parse_time, read_stream, run
+from usefulwork.gateway.accounting.report import CSV_COLUMNS, Report, parse_time, read_stream, run
 
 
 def _report(*args: str) -> subprocess.CompletedProcess:
@@ -111,6 +113,19 @@ def test_ranges_groups_duplicates_and_lines_that_are_not_records(tmp_path):
     assert (mine["requests"], mine["ok"], mine["shed"], mine["dropped"], mine["gpu_unpriced"]) == (3, 2, 1, 1, 1)
     assert mine["slo_pass_rate"] == pytest.approx(2 / 3) and mine["gpu"]["cost_usd"] == pytest.approx(0.002)
     assert mine["price_sheet"]["usd_per_1k_ok"] == pytest.approx(0.003 * 1e3 / 2)
+    # --csv: the same figures at full precision, one row per group and the total last (a billing import)
+    r = _report(str(a), str(b), "--by", "tenant,day", "--csv")
+    assert r.returncode == 0 and "9 records read" in r.stderr, r.stderr
+    table = list(csv.DictReader(io.StringIO(r.stdout)))
+    assert [(x["tenant"], x["day"]) for x in table] == [("a", "2026-11-27"), ("a", "2026-11-28"),
+                                                        ("b", "2026-11-29"), ("TOTAL", "TOTAL")]
+    row = table[1]
+    assert (row["requests"], row["ok"], row["dropped"], row["gpu_unpriced"]) == ("3", "2", "1", "1")
+    assert float(row["slo_pass_rate"]) == mine["slo_pass_rate"] and float(row["gpu_usd"]) == mine["gpu"]["cost_usd"]
+    assert float(row["price_usd_per_1k_ok"]) == mine["price_sheet"]["usd_per_1k_ok"]
+    assert _report(str(a), "--csv", "--json").returncode == 2  # one format at a time
+    r = _report(str(a), "--since", "2030-01-01", "--csv")
+    assert r.returncode == 0 and r.stdout.splitlines() == ["tenant," + ",".join(CSV_COLUMNS)]  # (nothing in range)
     # --since / --until are [since, until); --tenant keeps one tenant's records
     r = _report(str(a), str(b), "--since", "2026-11-28", "--until", "2026-11-29T00:00", "--json")
     assert [x["figures"]["requests"] for x in json.loads(r.stdout)["rows"]] == [3, 3]

@@ -187,6 +187,31 @@ def table(rows: list[dict[str, Any]], by: list[str]) -> str:
     return "\n".join(lines)
 
 
+CSV_COLUMNS = ("requests", "ok", "good", "slo_pass_rate", "dropped", "generated_tokens_ok", "price_usd",
+               "price_usd_per_1k_ok", "price_usd_per_1m_generated", "gpu_usd", "gpu_usd_per_1k_ok",
+               "gpu_usd_per_1m_generated", "cache_hits", "saved_usd", "gpu_unpriced", "first_ts", "last_ts")
+
+
+def csv_text(rows: list[dict[str, Any]], by: list[str]) -> str:
+    """The table's figures as CSV for a spreadsheet or a billing import: one row per group (the total
+    last), full precision, an empty cell where a figure does not exist (no ok request, nothing judged)."""
+    import csv  # noqa: PLC0415
+    import io  # noqa: PLC0415
+
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow([*by, *CSV_COLUMNS])
+    for r in rows:
+        f, p, g = r["figures"], r["figures"]["price_sheet"], r["figures"]["gpu"]
+        vals = (f["requests"], f["ok"], f["good"], f["slo_pass_rate"], f["dropped"], f["generated_tokens_ok"],
+                p["cost_usd"], p["usd_per_1k_ok"], p["usd_per_1m_generated"], g["cost_usd"], g["usd_per_1k_ok"],
+                g["usd_per_1m_generated"], f["cache"]["hit_exact"] + f["cache"]["hit_semantic"], f["saved_usd"],
+                f["gpu_unpriced"], f["first_ts"], f["last_ts"])
+        w.writerow([*(r["group"][k] for k in by), *("" if v is None else repr(float(v)) if isinstance(v, float)
+                                                     else v for v in vals)])
+    return buf.getvalue()
+
+
 # -- `usefulwork ledger` --------------------------------------------------------------------------
 
 
@@ -202,7 +227,10 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     r.add_argument("--since", help="records from this time: 2026-11-28, 2026-11-28T12:00 (UTC), or 24h / 7d ago")
     r.add_argument("--until", help="records before this time (same forms)")
     r.add_argument("--tenant", help="this tenant's records only")
-    r.add_argument("--json", action="store_true", help="print JSON (every figure of /usefulwork/stats' windows)")
+    fmt = r.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true", help="print JSON (every figure of /usefulwork/stats' windows)")
+    fmt.add_argument("--csv", action="store_true", help="print CSV (the table's figures at full precision, for a "
+                     "spreadsheet or a billing import)")
 
 
 def _fail(msg: str) -> int:
@@ -250,18 +278,21 @@ def run(args: argparse.Namespace, now: float | None = None) -> int:
         print(orjson.dumps({"by": report.by, "since": since, "until": until, "read": report.read,
                             "skipped": report.skipped, "duplicates": report.duplicates, "outside": report.outside,
                             "rows": rows}, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY).decode())
+        return 0
+    if getattr(args, "csv", False):
+        sys.stdout.write(csv_text(rows, report.by))  # (a header alone when no record is in range)
     else:
         print(table(rows, report.by) if rows else "no records in range")
-        notes = [f"{report.read} records read"]
-        if report.outside:
-            notes.append(f"{report.outside} outside the range or tenant")
-        if report.duplicates:
-            notes.append(f"{report.duplicates} duplicate ids counted once")
-        if report.skipped:
-            notes.append(f"{report.skipped} lines that are not ledger records skipped")
-        unpriced = rows[-1]["figures"]["gpu_unpriced"] if rows else 0
-        if unpriced:
-            notes.append(f"{unpriced} requests without GPU cost (recovered from a dead gateway's journal)")
-        print("; ".join(notes) + ". GPU $ is the time attributed to requests; the fleet's idle time is in "
-              "/usefulwork/stats.", file=sys.stderr)
+    notes = [f"{report.read} records read"]
+    if report.outside:
+        notes.append(f"{report.outside} outside the range or tenant")
+    if report.duplicates:
+        notes.append(f"{report.duplicates} duplicate ids counted once")
+    if report.skipped:
+        notes.append(f"{report.skipped} lines that are not ledger records skipped")
+    unpriced = rows[-1]["figures"]["gpu_unpriced"] if rows else 0
+    if unpriced:
+        notes.append(f"{unpriced} requests without GPU cost (recovered from a dead gateway's journal)")
+    print("; ".join(notes) + ". GPU $ is the time attributed to requests; the fleet's idle time is in "
+          "/usefulwork/stats.", file=sys.stderr)
     return 0
