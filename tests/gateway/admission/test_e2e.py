@@ -223,10 +223,18 @@ def test_two_gateways_share_rpm_and_budget_through_redis(sim, tmp_path, redis_ur
         for g in gws:  # both gateways refuse now, and the tenant's own stats say why on either
             r = httpx.post(g.base_url + "/v1/completions", json=body(4), headers={"authorization": "Bearer ks"})
             assert r.status_code == 429 and r.headers["x-usefulwork-shed-reason"] == "budget"
+            assert r.headers["x-should-retry"] == "false"  # (the SDKs do not retry what only midnight changes)
             assert not any(k.startswith("x-ratelimit-") for k in r.headers)  # (a budget alone: no rpm / tpm)
             mine = httpx.get(g.base_url + "/usefulwork/stats", headers={"authorization": "Bearer ks"}).json()
             assert mine["limits"]["budget_usd_per_day"] == 3.0 and mine["limits"]["spent_today_usd"] >= 3.0
             assert mine["limits"]["budget_left_usd"] == 0.0 and set(mine["tenants"]) == {"spend"}
+        sent = []
+        sdk = openai.OpenAI(base_url=gws[0].base_url + "/v1", api_key="ks", max_retries=3,
+                            http_client=httpx.Client(event_hooks={"request": [sent.append]}))
+        with pytest.raises(openai.RateLimitError) as exc:
+            sdk.completions.create(model=MODEL, prompt="hello", max_tokens=4)
+        assert exc.value.body["code"] == "budget" and len(sent) == 1  # one attempt, not four
+        assert all(h.get("x-should-retry") is None for h in headers)  # (an rpm 429 is worth retrying)
         limits = httpx.get(gws[0].base_url + "/usefulwork/stats", headers={"authorization": "Bearer kb"}).json()["limits"]
         left = limits.pop("requests_remaining")  # (as its x-ratelimit-remaining-requests would say now)
         assert limits == {"rpm": 100, "tpm": None, "budget_usd_per_day": None}  # (no other tenant's figures)

@@ -342,6 +342,7 @@ def test_tpm_counts_actual_tokens_and_refuses_oversized_request():
 
     big, statuses = asyncio.run(go())
     assert big.status == 429 and orjson.loads(big.body)["error"]["code"] == "tpm_too_large"
+    assert big.header(b"x-should-retry") == b"false"  # (it never fits: the SDKs do not retry it)
     # 116 actual tokens each: 8 fit in 1000. The 9th is checked against its estimate (~80 tokens of
     # prompt + max_tokens) and the 72 left, corrected to actual at close: never more than one over.
     n = statuses.count(200)

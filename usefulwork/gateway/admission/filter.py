@@ -52,6 +52,11 @@ log = logging.getLogger("usefulwork.admission")
 
 PRIORITY_HEADER = b"x-usefulwork-priority"
 REASON_HEADER = b"x-usefulwork-shed-reason"
+# Refusals a quick retry cannot change (the day's budget is spent; the request needs more tokens than the
+# tenant's tpm holds): the OpenAI SDKs (Python, Node) obey ``x-should-retry: false`` and do not retry
+# them, where they would retry any other 429 at once (they ignore a Retry-After over a minute).
+NO_RETRY_NOW = frozenset(("budget", "tpm_too_large"))
+NO_RETRY = (b"x-should-retry", b"false")
 # The OpenAI SDKs (Python, Node) number each attempt: 0 first, then the retries (a 429's included).
 RETRY_COUNT_HEADER = b"x-stainless-retry-count"
 _MESSAGES = {
@@ -312,7 +317,10 @@ class AdmissionFilter:
         if self._sheds is not None:
             self._sheds.add(1, {"pool": queue.name if queue else (call.pool.name if call.pool else ""),
                                 "priority": ctx.priority or "", "reason": reason})
-        return _error(status, message, reason, [*retry_after_header(retry_after_s), (REASON_HEADER, reason.encode())])
+        headers = [*retry_after_header(retry_after_s), (REASON_HEADER, reason.encode())]
+        if reason in NO_RETRY_NOW:
+            headers.append(NO_RETRY)
+        return _error(status, message, reason, headers)
 
     def _shed(self, call: Call, queue: PoolQueue, t: Ticket, reason: str, retry_after_s: float) -> Reply:
         self.decisions["shed"] += 1
