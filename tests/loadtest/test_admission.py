@@ -53,6 +53,16 @@ def test_client_without_honouring_stops_at_the_429_and_gives_up_after_max_retrie
     assert (res.outcome, res.retries, res.first_retry, len(seen)) == ("shed", 3, "shed", 4)
 
 
+def test_client_does_not_wait_out_a_429_that_says_not_to_retry():
+    """A spent budget: Retry-After is midnight and x-should-retry is false; the SDKs give up at once, so
+    does the load generator (it used to sleep into its timeout and count a timeout)."""
+    budget = httpx.Response(429, headers={"retry-after": "40000", "retry-after-ms": "40000000",
+                                          "x-should-retry": "false", "x-usefulwork-shed-reason": "budget"},
+                            json={"error": {}})
+    res, seen = run_send([budget, httpx.Response(200, content=SSE)], honor=True)
+    assert (res.outcome, res.retries, len(seen), res.shed_reason) == ("shed", 0, 1, "budget")
+
+
 def test_burst_figures_and_jain():
     slo = SLOSpec.from_mapping({"ttft_ms": 2000, "tpot_ms": 100, "e2e_ms": 5000, "attainment": 0.95})
     from usefulwork.loadtest.client import RequestResult

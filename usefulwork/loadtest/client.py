@@ -55,6 +55,7 @@ class RequestResult:
     shed_s: float = 0.0  # send -> the first 429's answer (how early admission said no)
     shed_reason: str = ""  # x-usefulwork-shed-reason of the first 429
     wait_s: float = 0.0  # Retry-After of the latest 429
+    final: bool = False  # the latest 429 said x-should-retry: false (a spent budget): not retried, as the SDKs do
     text: list[str] | None = None  # the generated text, kept only when asked (paired replay compares outputs)
 
     @property
@@ -177,6 +178,7 @@ def retry_after(headers: httpx.Headers) -> float | None:
 
 def _note_shed(res: RequestResult, headers: httpx.Headers, after_s: float) -> None:
     res.wait_s = retry_after(headers) or 0.0
+    res.final = headers.get("x-should-retry") == "false"
     if res.retries == 0 and not res.shed_s:
         res.shed_s = after_s
         res.retry_after_s = retry_after(headers) or 0.0
@@ -190,8 +192,9 @@ async def send(client: httpx.AsyncClient, base_url: str, spec: RequestSpec, mode
     """Send one streaming request; never raises (every failure becomes an outcome).
 
     With ``honor_retry_after`` a 429 that carries Retry-After is waited out and retried (up to
-    ``max_retries`` times, within the same overall timeout); TTFT and E2EL then count from the
-    first send, as the user lives them.
+    ``max_retries`` times, within the same overall timeout), unless it says ``x-should-retry: false``
+    (as the OpenAI SDKs obey it: a spent budget is not waited out until midnight); TTFT and E2EL then
+    count from the first send, as the user lives them.
     """
     res = RequestResult(index=spec.index, kind=spec.kind, planned=planned, planned_input_tokens=spec.input_tokens,
                         group=group, text=[] if keep_text else None)
@@ -208,7 +211,8 @@ async def send(client: httpx.AsyncClient, base_url: str, spec: RequestSpec, mode
     try:
         async with asyncio.timeout(timeout_s):
             await _stream(client, base_url + path, body, hdrs, res, t_send, clock0)
-            while honor_retry_after and res.outcome == "shed" and res.retries < max_retries and res.retry_after_s:
+            while (honor_retry_after and res.outcome == "shed" and res.retries < max_retries and res.retry_after_s
+                   and not res.final):
                 await asyncio.sleep(res.wait_s or 1.0)
                 res.retries += 1
                 res.outcome, res.error, res.status = "ok", "", 0
