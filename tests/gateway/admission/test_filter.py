@@ -40,14 +40,16 @@ def make_filter(cfg, meter=None, **kw) -> AdmissionFilter:
 
 
 def make_call(f: AdmissionFilter, tenant: str = "default", priority: str | None = None, max_tokens: int = 16,
-              model: str = MODEL) -> Call:
+              model: str = MODEL, op: str = "chat") -> Call:
     body = {"model": model, "messages": [{"role": "user", "content": "hi " * 40}], "max_tokens": max_tokens}
-    ctx = RequestContext(id="r", endpoint="chat", model=model, stream=False, tenant=tenant)
+    if op == "responses":  # (the Responses API's own fields)
+        body = {"model": model, "input": "hi " * 40, "max_output_tokens": max_tokens}
+    ctx = RequestContext(id="r", endpoint=op, model=model, stream=False, tenant=tenant)
     headers = [(b"content-type", b"application/json")]
     if priority is not None:
         headers.append((b"x-usefulwork-priority", priority.encode()))
-    return Call(ctx=ctx, op="chat", path=b"/v1/chat/completions", body=body, raw=orjson.dumps(body),
-                pool=f.services.fleet.pool_for_model(model), headers=headers)
+    return Call(ctx=ctx, op=op, path=b"/v1/responses" if op == "responses" else b"/v1/chat/completions", body=body,
+                raw=orjson.dumps(body), pool=f.services.fleet.pool_for_model(model), headers=headers)
 
 
 def measured_fast(f: AdmissionFilter) -> None:
@@ -362,7 +364,8 @@ def test_answers_teach_the_pool_the_length_a_large_max_tokens_is_priced_at():
     assert len(cap.recent_out) == 20 and cap.est_output(4096) == 37  # the backend's count, not max_tokens
 
 
-def test_degrade_caps_max_tokens_instead_of_shedding():
+@pytest.mark.parametrize("op", ["chat", "responses"])
+def test_degrade_caps_max_tokens_instead_of_shedding(op):
     tenants = {"t": {"key_hashes": [hash_key("k")], "degrade": {"max_tokens": 8}}}
     f = make_filter(make_cfg(admission={"initial_concurrency": 1, "max_concurrency": 1}, tenants=tenants,
                              slo={"ttft_ms": 2000, "e2e_ms": 3000}))
@@ -373,7 +376,7 @@ def test_degrade_caps_max_tokens_instead_of_shedding():
         await asyncio.sleep(0.01)
         cap = f.queues["p"].capacity
         cap.service, cap.svc_ttft, cap.tpot = 0.5, 0.1, 0.02  # a 1000-token answer needs 20 s; 8 tokens 0.24 s
-        call = make_call(f, tenant="t", max_tokens=1000)
+        call = make_call(f, tenant="t", max_tokens=1000, op=op)
         task = asyncio.create_task(f(call, Backend()))
         await asyncio.sleep(0.01)
         be.gates[0].set()
@@ -384,8 +387,10 @@ def test_degrade_caps_max_tokens_instead_of_shedding():
 
     call, reply = asyncio.run(go())
     assert reply.status == 200
-    assert call.body["max_tokens"] == 8 and call.raw is None
-    assert call.ctx.admission == "degraded:max_tokens=8"
+    field = "max_output_tokens" if op == "responses" else "max_tokens"  # (the endpoint's own field, no other)
+    assert call.body[field] == 8 and call.raw is None
+    assert set(call.body) == {"model", field, "input" if op == "responses" else "messages"}
+    assert call.ctx.admission == "degraded:max_tokens=8" and call.ctx.max_tokens == 8
 
 
 def test_gateway_shows_admission_stats_to_the_admin_only():

@@ -93,11 +93,25 @@ def _with(reply: Reply, headers: list[tuple[bytes, bytes]] | None) -> Reply:
     return reply
 
 
+def cap_max_tokens(call: Call, n: int) -> None:
+    """Make ``n`` the request's output limit, in its endpoint's own field (the Responses API's
+    ``max_output_tokens``; else ``max_tokens``, replacing a chat request's ``max_completion_tokens``)."""
+    body = {**call.body}
+    if call.op == "responses":
+        body["max_output_tokens"] = n
+    else:
+        body["max_tokens"] = n
+        body.pop("max_completion_tokens", None)
+    call.set_body(body)
+    call.ctx.max_tokens = n
+
+
 def expected_tokens(call: Call) -> tuple[int, int | None]:
     """(prompt tokens, max_tokens) expected before the backend counts: ~4 bytes of JSON per token."""
     raw = call.raw
     size = len(raw) if raw is not None else len(str(call.body.get("messages") or call.body.get("prompt") or ""))
-    mt = call.body.get("max_completion_tokens") or call.body.get("max_tokens")
+    body = call.body
+    mt = body.get("max_completion_tokens") or body.get("max_tokens") or body.get("max_output_tokens")
     return max(1, size // 4), (int(mt) if isinstance(mt, int) and not isinstance(mt, bool) else None)
 
 
@@ -283,9 +297,7 @@ class AdmissionFilter:
             t.max_tokens = policy.max_tokens
             again = queue.offer(t, now)
             if again.kind != "shed":
-                call.set_body({**call.body, "max_tokens": policy.max_tokens})
-                call.body.pop("max_completion_tokens", None)
-                call.ctx.max_tokens = policy.max_tokens
+                cap_max_tokens(call, policy.max_tokens)
                 call.ctx.admission = f"degraded:max_tokens={policy.max_tokens}"
                 self.decisions["degraded"] += 1
                 return queue, again
