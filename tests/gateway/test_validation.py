@@ -117,3 +117,15 @@ async def test_deep_body_through_the_app_is_400_without_traceback(caplog):
         r = await client.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
     assert "Traceback" not in caplog.text
+
+
+def test_the_output_limit_is_read_and_set_in_each_endpoints_own_field():
+    from usefulwork.gateway.validation import max_tokens_of, with_max_tokens
+
+    assert max_tokens_of({"max_tokens": 10, "max_completion_tokens": 20}) == 20  # (as vLLM reads a chat request)
+    assert max_tokens_of({"max_tokens": 10}) == 10 and max_tokens_of({"max_output_tokens": 7}) == 7
+    assert max_tokens_of({}) is None and max_tokens_of({"max_tokens": True}) is None
+    chat = {"model": "m", "max_tokens": 10, "max_completion_tokens": 20}
+    assert with_max_tokens(chat, "chat", 5) == {"model": "m", "max_tokens": 5} and chat["max_completion_tokens"] == 20
+    assert with_max_tokens({"model": "m"}, "completions", 5) == {"model": "m", "max_tokens": 5}
+    assert with_max_tokens({"model": "m", "max_output_tokens": 9}, "responses", 5) == {"model": "m", "max_output_tokens": 5}

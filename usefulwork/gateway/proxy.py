@@ -30,8 +30,8 @@ from usefulwork.gateway.errors import GatewayError, error_body, model_not_found,
 from usefulwork.gateway.pipeline import DISCONNECT, Call, ClientGone, Handler, Reply, classify
 from usefulwork.gateway.sse import DONE_EVENT, ResponsesSSE, SSEFilter, first_token_in
 from usefulwork.gateway.tenants import Tenants
-from usefulwork.gateway.validation import (parse_json, validate_chat, validate_completion, validate_embeddings,
-                                           validate_responses)
+from usefulwork.gateway.validation import (max_tokens_of, parse_json, validate_chat, validate_completion,
+                                           validate_embeddings, validate_responses)
 from usefulwork.upstream.fleet import Fleet
 from usefulwork.upstream.http1 import UpstreamError, UpstreamTimeout
 
@@ -143,7 +143,7 @@ class Intake:
                 (allowed := self.tenants.models_of(ctx.tenant)) is not None and ctx.model not in allowed):
             raise model_not_found(ctx.model)
         ctx.stream = op.streams and body.get("stream") is True
-        ctx.max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or body.get("max_output_tokens")
+        ctx.max_tokens = max_tokens_of(body)
         ctx.prompt_payload = body.get(op.prompt_key)
         if ctx.stream:
             so = body.get("stream_options")

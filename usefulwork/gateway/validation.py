@@ -181,3 +181,31 @@ def validate_embeddings(body: dict[str, Any]) -> None:
         if all(isinstance(x, list) and x and all(_is_int(t) for t in x) for x in inp):
             return
     raise _bad("input", "'input' must be a non-empty string, list of strings, or token id list(s)")
+
+
+# -- the output limit, across endpoints ---------------------------------------------------------------
+
+_OUTPUT_LIMITS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
+
+
+def max_tokens_of(body: dict[str, Any]) -> int | None:
+    """The output limit a (validated) request asks for, as vLLM reads it: a chat request's
+    ``max_completion_tokens`` over its ``max_tokens``; the Responses API's ``max_output_tokens``."""
+    for key in _OUTPUT_LIMITS:
+        v = body.get(key)
+        if v is not None and _is_int(v):
+            return v
+    return None
+
+
+def with_max_tokens(body: dict[str, Any], op: str, n: int) -> dict[str, Any]:
+    """A copy of ``body`` whose output limit is ``n``, in its endpoint's own field (the Responses API's
+    ``max_output_tokens``; else ``max_tokens``, replacing a chat request's ``max_completion_tokens``,
+    which vLLM would read first)."""
+    out = dict(body)
+    if op == "responses":
+        out["max_output_tokens"] = n
+    else:
+        out["max_tokens"] = n
+        out.pop("max_completion_tokens", None)
+    return out

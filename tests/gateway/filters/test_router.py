@@ -158,6 +158,35 @@ async def test_gate_keeps_a_confident_answer_and_strips_logprobs_nobody_asked_fo
     assert len(lp) == 24 and len(lp[0]["top_logprobs"]) == 2  # the client's own request is kept as asked
 
 
+async def test_the_small_tiers_cap_replaces_whichever_output_limit_the_client_set(sims):
+    """``confidence.small_max_tokens`` caps the small tier's answer also when the client sent
+    max_completion_tokens, which vLLM reads before max_tokens (before, the cap went into max_tokens and
+    was not read)."""
+    f, _, _ = make(sims, {"router": "confidence-gated", "confidence": {**KEEP, "small_max_tokens": 8}})
+    c = call_for("auto", "What is 2+2?", max_completion_tokens=30)
+    reply = await f(c, forward)
+    await reply.aclose()
+    body = sent[-1][1]
+    assert body["model"] == "small-model" and body["max_tokens"] == 8 and "max_completion_tokens" not in body
+    assert orjson.loads(reply.body)["usage"]["completion_tokens"] == 8 and c.ctx.route == "auto:small"
+
+
+async def test_the_gate_sends_a_responses_request_to_the_large_tier_at_once(sims):
+    """A Responses answer carries no logprobs the gate reads: asking the small tier first would throw its
+    answer away every time (both tiers paid), so the large tier answers at once, and the reason says why."""
+    f, _, _ = make(sims, {"router": "confidence-gated", "confidence": KEEP})
+    body = {"model": "auto", "input": "What is 2+2?", "max_output_tokens": 8}
+    c = Call(RequestContext(id="r", endpoint="responses", model="auto", stream=False), "responses",
+             b"/v1/responses", body, orjson.dumps(body), None, [])
+    n = len(sent)
+    reply = await f(c, forward)
+    await reply.aclose()
+    assert reply.status == 200 and orjson.loads(reply.body)["model"] == "large-model"
+    assert len(sent) == n + 1 and sent[-1][1]["model"] == "large-model" and "logprobs" not in sent[-1][1]
+    assert c.ctx.route == "auto:large" and "responses answers are not judged" in c.ctx.route_reason
+    assert not c.ctx.escalated and c.ctx.discarded_tokens == 0
+
+
 async def test_gate_escalates_an_unsure_answer_and_accounts_the_discarded_work(sims):
     f, _, _ = make(sims, {"router": "confidence-gated", "confidence": ESCALATE})
     c = call_for("auto", "Prove Fermat's last theorem.")

@@ -43,6 +43,7 @@ from starlette.routing import Route
 from usefulwork.gateway.errors import JSON_HEADERS, error_body
 from usefulwork.gateway.pipeline import Call, Handler, Reply
 from usefulwork.gateway.tenants import PRIORITIES
+from usefulwork.gateway.validation import max_tokens_of, with_max_tokens
 from usefulwork.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
@@ -94,15 +95,8 @@ def _with(reply: Reply, headers: list[tuple[bytes, bytes]] | None) -> Reply:
 
 
 def cap_max_tokens(call: Call, n: int) -> None:
-    """Make ``n`` the request's output limit, in its endpoint's own field (the Responses API's
-    ``max_output_tokens``; else ``max_tokens``, replacing a chat request's ``max_completion_tokens``)."""
-    body = {**call.body}
-    if call.op == "responses":
-        body["max_output_tokens"] = n
-    else:
-        body["max_tokens"] = n
-        body.pop("max_completion_tokens", None)
-    call.set_body(body)
+    """Make ``n`` the request's output limit, in its endpoint's own field."""
+    call.set_body(with_max_tokens(call.body, call.op, n))
     call.ctx.max_tokens = n
 
 
@@ -110,9 +104,7 @@ def expected_tokens(call: Call) -> tuple[int, int | None]:
     """(prompt tokens, max_tokens) expected before the backend counts: ~4 bytes of JSON per token."""
     raw = call.raw
     size = len(raw) if raw is not None else len(str(call.body.get("messages") or call.body.get("prompt") or ""))
-    body = call.body
-    mt = body.get("max_completion_tokens") or body.get("max_tokens") or body.get("max_output_tokens")
-    return max(1, size // 4), (int(mt) if isinstance(mt, int) and not isinstance(mt, bool) else None)
+    return max(1, size // 4), max_tokens_of(call.body)
 
 
 class AdmissionFilter:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 import orjson
 
 from usefulwork.gateway.pipeline import Call, Handler, Reply, Services
+from usefulwork.gateway.validation import max_tokens_of, with_max_tokens
 from usefulwork.routers import Router, build_router
 from usefulwork.routers.confidence import client_asked_logprobs, strip_logprobs, token_logprobs, with_logprobs
 
@@ -90,11 +91,17 @@ class RouterFilter:
     async def _gated(self, cascade: Cascade, call: Call, next: Handler) -> Reply:
         gate = cascade.router
         original = call.body
+        if call.op not in ("chat", "completions"):
+            # (the gate judges chat and completions logprobs; a Responses answer carries none it reads, so
+            # the small tier's answer would always be thrown away: the large tier answers at once)
+            self._note(cascade, call, "large", f"confidence-gated: {call.op} answers are not judged; large tier")
+            self._to_pool(call, cascade.large, original)
+            return await next(call)
         asked = client_asked_logprobs(original)
         small_body = with_logprobs(original, call.op)
         cap = cascade.vm.confidence.small_max_tokens
         if cap and not call.ctx.stream:
-            small_body["max_tokens"] = min(cap, original.get("max_tokens") or cap)
+            small_body = with_max_tokens(small_body, call.op, min(cap, max_tokens_of(original) or cap))
         self._to_pool(call, cascade.small, small_body)
         reply = await next(call)
         if reply.status != 200:
