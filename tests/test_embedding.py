@@ -90,6 +90,12 @@ async def test_loading_in_the_background_never_blocks_the_event_loop():
 def test_conversation_text_keeps_every_message():
     body = {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "text", "text": "q"}]}]}
     assert conversation_text(body) == "system: s\nuser: q"
+    # a Responses request: its instructions and input items, as the messages vLLM makes of them
+    body = {"instructions": "s", "input": [{"role": "user", "content": [{"type": "input_text", "text": "q"}]},
+                                           {"type": "message", "role": "assistant", "content": "a"}]}
+    assert conversation_text(body) == "system: s\nuser: q\nassistant: a"
+    assert conversation_text({"instructions": "s", "input": "q"}) == "system: s\nuser: q"
+    assert conversation_text({"input": "q"}) == "q" and conversation_text({"input": ["a", "b"]}) == "a\nb"
 
 
 async def test_the_request_path_embeds_on_a_thread_below_the_gateways_priority():

@@ -47,6 +47,8 @@ from typing import TYPE_CHECKING, Any, Callable, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from usefulwork.gateway.validation import messages_of, prompt_of
+
 if TYPE_CHECKING:
     from usefulwork.gateway.pipeline import Call
 
@@ -110,22 +112,12 @@ def cache_dir(cfg_dir: str | None = None) -> Path:
 
 
 def conversation_text(body: dict[str, Any]) -> str:
-    """The text a request's meaning lives in: every message (role and content) or the prompt."""
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        parts = []
-        for m in messages:
-            if not isinstance(m, dict):
-                continue
-            content = m.get("content")
-            if isinstance(content, list):  # content parts: keep the text ones
-                content = " ".join(p.get("text", "") for p in content if isinstance(p, dict))
-            parts.append(f"{m.get('role', 'user')}: {content or ''}")
-        return "\n".join(parts)
-    prompt = body.get("prompt", body.get("input", ""))
-    if isinstance(prompt, list):
-        return "\n".join(p for p in prompt if isinstance(p, str))
-    return prompt if isinstance(prompt, str) else ""
+    """The text a request's meaning lives in: every message (role and content; a Responses request's
+    instructions and input items too) or the prompt."""
+    messages = messages_of(body)
+    if messages is not None:
+        return "\n".join(f"{role}: {text or ''}" for role, text in messages)
+    return prompt_of(body)
 
 
 def _pooled_model(st_model: Any) -> Any:

@@ -46,6 +46,21 @@ def test_completions_prompt_and_content_parts():
     assert last_user_text(body) == ("hi", 5)
 
 
+def test_a_responses_request_is_read_as_its_messages():
+    """The Responses API's input items (and instructions, the system message vLLM makes of them) are read
+    as chat messages are: before, an item list read as an empty prompt, and every such request went small."""
+    r = HeuristicRouter(HeuristicCfg())
+    hard = {"input": [{"role": "user", "content": [{"type": "input_text", "text": "Please write code for an LRU "
+                                                     "cache, and explain why it is O(1)."}]}]}
+    d = r.decide_body(hard)
+    assert d.tier == "large" and "write code" in d.reason
+    body = {"instructions": "sys", "input": [{"role": "user", "content": "hi"}, {"type": "function_call_output",
+                                                                               "call_id": "c", "output": "42"}]}
+    assert last_user_text(body) == ("hi", 5)
+    assert last_user_text({"instructions": "sys", "input": "hello"}) == ("hello", 8)
+    assert last_user_text({"input": "hello"}) == ("hello", 5)
+
+
 @pytest.mark.parametrize("tree, field", [
     ({"threshold": -0.1}, "heuristic.threshold"),
     ({"threshold": 101}, "heuristic.threshold"),

@@ -212,6 +212,29 @@ def test_token_mode_hashes_like_the_server(tmp_path):
     assert p.hashes(c) == p.hasher.token_hashes(ids)
 
 
+@pytest.mark.parametrize("body", [
+    {"input": "hi there"},
+    {"instructions": SYSTEM, "input": "hi there"},
+    {"instructions": SYSTEM, "input": [{"role": "user", "content": [{"type": "input_text", "text": "a"},
+                                                                   {"type": "input_text", "text": "b"}]},
+                                       {"type": "message", "role": "assistant", "content": "c"}]},
+])
+def test_token_mode_reads_a_responses_request_as_the_server_renders_it(body):
+    """A Responses request is hashed as the chat the server makes of it (before: an item list or a string
+    hashed as an empty prompt, so such requests had no prefix affinity)."""
+    from usefulwork.backends.sim.api import SimServer
+    from usefulwork.backends.sim.engine import SimEngine
+    from usefulwork.backends.sim.catalog import build_spec
+    from usefulwork.backends.sim.tokens import load_tokenizer
+    tok = load_tokenizer(None)
+    body = {"model": "m", **body}
+    ids = SimServer(SimEngine(build_spec("A10G", "Llama-3.1-8B")), tok, "m").parse_responses(body).prompt_ids
+    p = PrefixPicker(PickerCfg(kind="prefix", block_tokens=4), tokenizer=tok)
+    c = Call(RequestContext(id="x", endpoint="responses", model="m", stream=False), "responses", b"/v1/responses",
+             body, None, None, [])
+    assert len(ids) >= 8 and p.hashes(c) == p.hasher.token_hashes(ids)
+
+
 @pytest.mark.vllm
 def test_token_mode_prediction_matches_real_vllm_cached_tokens(vllm_server):
     """The self-check against real vLLM (CPU build, block size from its cache_config_info)."""

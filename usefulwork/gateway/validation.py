@@ -209,3 +209,46 @@ def with_max_tokens(body: dict[str, Any], op: str, n: int) -> dict[str, Any]:
         out["max_tokens"] = n
         out.pop("max_completion_tokens", None)
     return out
+
+
+# -- the text of a request, across endpoints ----------------------------------------------------------
+
+
+def _text_of(content: Any) -> str | None:
+    """A message's text: a string, or a content list's text parts joined by newlines as vLLM renders them
+    (None: no text, as a tool call)."""
+    if isinstance(content, list):
+        return "\n".join(t for p in content if isinstance(p, dict) and isinstance(t := p.get("text", ""), str))
+    return content if isinstance(content, str) else None
+
+
+def messages_of(body: dict[str, Any]) -> list[tuple[str, str | None]] | None:
+    """(role, text) of a chat request's messages, or of a Responses request's ``instructions`` (as the
+    system message vLLM makes of them) and ``input`` (its items, or its one string as the user's); None
+    for a request with a plain prompt (completions, embeddings, a Responses string without instructions)."""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        items = messages
+        out: list[tuple[str, str | None]] = []
+    else:
+        inp, instructions = body.get("input"), body.get("instructions")
+        has_items = isinstance(inp, list) and any(isinstance(x, dict) for x in inp)
+        if not has_items and not (isinstance(instructions, str) and instructions and isinstance(inp, str)):
+            return None
+        out = [("system", instructions)] if isinstance(instructions, str) and instructions else []
+        if isinstance(inp, str):
+            return [*out, ("user", inp)]
+        items = inp
+    for m in items:
+        if isinstance(m, dict):
+            out.append((str(m.get("role", "user")), _text_of(m.get("content"))))
+    return out
+
+
+def prompt_of(body: dict[str, Any]) -> str:
+    """A plain prompt's text: ``prompt`` (completions) or ``input`` (embeddings, Responses), a list's
+    strings joined."""
+    prompt = body.get("prompt", body.get("input", ""))
+    if isinstance(prompt, list):
+        return "\n".join(p for p in prompt if isinstance(p, str))
+    return prompt if isinstance(prompt, str) else ""

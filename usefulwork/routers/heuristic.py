@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from usefulwork.gateway.validation import messages_of, prompt_of
 from usefulwork.routers import Decision
 
 if TYPE_CHECKING:
@@ -21,27 +22,20 @@ if TYPE_CHECKING:
 
 
 def last_user_text(body: dict[str, Any]) -> tuple[str, int]:
-    """(the last user message's text, total characters of the prompt)."""
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        total, last = 0, ""
-        for m in messages:
-            if not isinstance(m, dict):
-                continue
-            c = m.get("content")
-            if isinstance(c, list):
-                c = " ".join(p.get("text", "") for p in c if isinstance(p, dict))
-            if not isinstance(c, str):
-                continue
-            total += len(c)
-            if m.get("role", "user") == "user":
-                last = c
-        return last, total
-    prompt = body.get("prompt", body.get("input", ""))
-    if isinstance(prompt, list):
-        prompt = "\n".join(p for p in prompt if isinstance(p, str))
-    prompt = prompt if isinstance(prompt, str) else ""
-    return prompt, len(prompt)
+    """(the last user message's text, total characters of the prompt): chat messages, a Responses
+    request's instructions and input items, or a plain prompt."""
+    messages = messages_of(body)
+    if messages is None:
+        prompt = prompt_of(body)
+        return prompt, len(prompt)
+    total, last = 0, ""
+    for role, text in messages:
+        if text is None:
+            continue
+        total += len(text)
+        if role == "user":
+            last = text
+    return last, total
 
 
 class HeuristicRouter:

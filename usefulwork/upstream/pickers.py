@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from usefulwork.embedding import conversation_text
+from usefulwork.gateway.validation import messages_of
 
 if TYPE_CHECKING:
     from usefulwork.config import Config
@@ -104,9 +105,9 @@ class BlockHasher:
         self.block_chars = max(1, round(block_tokens * chars_per_token))
         self.tokenizer = tokenizer  # usefulwork.backends.sim.tokens.SimTokenizer (encode, encode_chat)
 
-    def hashes(self, body: dict[str, Any]) -> list[int]:
+    def hashes(self, body: dict[str, Any], op: str = "chat") -> list[int]:
         if self.tokenizer is not None:
-            return self.token_hashes(self._tokens(body))
+            return self.token_hashes(self._tokens(body, op))
         text = conversation_text(body)
         bc = self.block_chars
         out: list[int] = []
@@ -125,12 +126,21 @@ class BlockHasher:
             out.append(parent)
         return out
 
-    def _tokens(self, body: dict[str, Any]) -> list[int]:
+    def _tokens(self, body: dict[str, Any], op: str) -> list[int]:
+        """The prompt's token ids as vLLM renders it: a Responses request is a chat of its instructions and
+        input items (a string input: the user's message)."""
         messages = body.get("messages")
-        if isinstance(messages, list):
+        if not isinstance(messages, list):
+            items = messages_of(body)
+            if items is None and op == "responses" and isinstance(body.get("input"), str):
+                items = [("user", body["input"])]
+            messages = None if items is None else [{"role": r, "content": t or ""} for r, t in items]
+        if messages is not None:
             return self.tokenizer.encode_chat(messages)
-        prompt = body.get("prompt", "")
-        return self.tokenizer.encode(prompt if isinstance(prompt, str) else "\n".join(map(str, prompt)))
+        prompt = body.get("prompt", body.get("input", ""))
+        if isinstance(prompt, list):
+            prompt = "\n".join(map(str, prompt))
+        return self.tokenizer.encode(prompt if isinstance(prompt, str) else "")
 
 
 class BlockIndex:
@@ -250,7 +260,7 @@ class PrefixPicker:
     def hashes(self, call: Call) -> list[int]:
         h = call.memo.get(HASHES_MEMO)
         if h is None:
-            h = call.memo[HASHES_MEMO] = self.hasher.hashes(call.body)
+            h = call.memo[HASHES_MEMO] = self.hasher.hashes(call.body, call.op)
         return h
 
     def scores(self, hashes: list[int], replicas: list[Replica]) -> list[tuple[float, int, Replica, float]]:

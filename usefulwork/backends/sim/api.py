@@ -306,7 +306,7 @@ class SimServer:
 
 def _item_text(content: Any) -> str:
     if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict))  # as vLLM joins text parts
     return content if isinstance(content, str) else ""
 
 
