@@ -89,7 +89,8 @@ def _start_embedded(tmp: Path) -> EmbeddedFleet:
     log = tmp / "serve.log"
     kv_events = f"ipc://{tmp / 'kv-events.sock'}"  # vLLM binds ipc endpoints (tcp only on a wildcard host)
     kv_cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": kv_events}
-    env = {**os.environ, "USEFULWORK__LOCAL_FLEET__PORT": str(vllm_port),
+    # (VLLM_ENABLE_RESPONSES_API_STORE: the real vLLM keeps stored Responses, for tests/e2e/test_stored_responses.py)
+    env = {**os.environ, "VLLM_ENABLE_RESPONSES_API_STORE": "1", "USEFULWORK__LOCAL_FLEET__PORT": str(vllm_port),
            "USEFULWORK__LOCAL_FLEET__EXTRA_ARGS": json.dumps(["--kv-events-config", json.dumps(kv_cfg)])}
     proc = subprocess.Popen(
         [sys.executable, "-m", "usefulwork.cli", "serve", "--port", str(gw_port), "--vllm-log", str(tmp / "vllm.log")],

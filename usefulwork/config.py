@@ -260,6 +260,16 @@ class ScaleOut(_Strict):
                                  "fleet's back.")
 
 
+class ResponsesCfg(_Strict):
+    """The Responses API's stored responses (docs/routing.md): which replica holds each, and whose it is."""
+
+    max_ids: int = Field(100_000, ge=1, description="Stored responses each gateway process remembers (the most "
+                         "recently made or used); an older id is unknown to it, and a request naming it goes "
+                         "where the picker sends it.")
+    ttl_s: float = Field(7 * 86400.0, gt=0, description="With `scale_out.redis_url`: how long Redis keeps an id's "
+                         "owner for every gateway process and replica.")
+
+
 class Auth(_Strict):
     """Client API keys. Empty: no auth, every request is tenant "default"."""
 
@@ -279,6 +289,7 @@ class Config(_Strict):
     cost: CostCfg = CostCfg()
     telemetry: TelemetryCfg = TelemetryCfg()
     scale_out: ScaleOut = ScaleOut()
+    responses: ResponsesCfg = ResponsesCfg()
     cache: CacheCfg = Field(CacheCfg(), description="Exact and semantic response caches (the `cache` filter).")
     embedding: EmbeddingCfg = Field(EmbeddingCfg(), description="The sentence embedder shared by the semantic "
                                     "cache and the classifier router.")

@@ -129,3 +129,17 @@ def test_the_output_limit_is_read_and_set_in_each_endpoints_own_field():
     assert with_max_tokens(chat, "chat", 5) == {"model": "m", "max_tokens": 5} and chat["max_completion_tokens"] == 20
     assert with_max_tokens({"model": "m"}, "completions", 5) == {"model": "m", "max_tokens": 5}
     assert with_max_tokens({"model": "m", "max_output_tokens": 9}, "responses", 5) == {"model": "m", "max_output_tokens": 5}
+
+
+@pytest.mark.parametrize("extra, status, param", [
+    ({"previous_response_id": ""}, 422, "previous_response_id"),
+    ({"previous_response_id": 7}, 422, "previous_response_id"),
+    ({"background": True}, 400, "background"),
+])
+def test_a_responses_request_names_a_stored_response_by_its_id_and_is_never_background(extra, status, param):
+    from usefulwork.gateway.validation import validate_responses
+
+    validate_responses({"model": "m", "input": "x", "previous_response_id": "resp_1", "background": False})
+    with pytest.raises(GatewayError) as e:
+        validate_responses({"model": "m", "input": "x", **extra})
+    assert (e.value.status, e.value.param) == (status, param)

@@ -19,11 +19,13 @@ from starlette.routing import Route
 from usefulwork.config import Config
 from usefulwork.gateway import accounting
 from usefulwork.gateway.access import Access
-from usefulwork.gateway.errors import error_body, model_not_found
+from usefulwork.gateway.context import RequestContext
+from usefulwork.gateway.errors import GatewayError, error_body, model_not_found
 from usefulwork.gateway.filters import build_filters
-from usefulwork.gateway.pipeline import Services, chain
-from usefulwork.gateway.proxy import OPERATIONS, Endpoint, Intake
+from usefulwork.gateway.pipeline import Call, Services, chain
+from usefulwork.gateway.proxy import OPERATIONS, Endpoint, Intake, new_request_id
 from usefulwork.gateway.reload import Reloader
+from usefulwork.gateway.stored import build_owners
 from usefulwork.gateway.tenants import Tenants
 from usefulwork.upstream.fleet import Fleet
 from usefulwork.upstream.forwarder import Forwarder
@@ -130,7 +132,8 @@ def build_app(cfg: Config, client: httpx.AsyncClient | None = None) -> HotPaths:
         reloader.instrument(services.meter)
     filters = build_filters(cfg.filters, services)
     pickers = build_pickers(cfg, fleet, services.meter)
-    handler = chain(filters, Forwarder(fleet, pickers))
+    forwarder = Forwarder(fleet, pickers, build_owners(cfg))
+    handler = chain(filters, forwarder)
     intake = Intake(fleet, bundle.accountant, tenants, handler, max_body=cfg.limits.max_body_bytes,
                     body_timeout_s=cfg.limits.body_timeout_s, virtual_models=services.virtual_models)
     endpoints = {op.path: Endpoint(intake, op) for op in OPERATIONS}
@@ -162,6 +165,22 @@ def build_app(cfg: Config, client: httpx.AsyncClient | None = None) -> HotPaths:
         if name not in listed or ((allowed := access.models_allowed(request)) is not None and name not in allowed):
             return Response(model_not_found(name).body(), status_code=404, media_type=JSON)
         return Response(orjson.dumps(listed[name]), media_type=JSON)
+
+    async def retrieve_response(request: Request) -> Response:  # the SDKs' responses.retrieve
+        """A stored response, from the replica that holds it, for its own tenant (usefulwork/gateway/stored.py)."""
+        ctx = RequestContext(id=new_request_id(), endpoint="responses", model="", stream=False)
+        try:
+            ctx.tenant = tenants.identify(request.headers.get("authorization", "").encode("latin-1"))
+            if request.query_params.get("stream", "false").lower() not in ("false", "0"):
+                raise GatewayError(400, "streaming a stored response is for background responses, which this gateway "
+                                   "does not serve", param="stream", code="unsupported_parameter")
+            rid = request.path_params["response_id"]
+            call = Call(ctx, "retrieve", f"/v1/responses/{rid}".encode(), {}, None, None, [])
+            reply = await forwarder.retrieve(call, rid)
+        except GatewayError as exc:
+            return Response(exc.body(), status_code=exc.status, media_type=JSON,
+                            headers={k.decode(): v.decode() for k, v in exc.headers})
+        return Response(reply.body or b"", status_code=reply.status, media_type=JSON)
 
     async def healthz(request: Request) -> Response:
         return Response(b'{"status":"ok"}', media_type=JSON)
@@ -212,6 +231,7 @@ def build_app(cfg: Config, client: httpx.AsyncClient | None = None) -> HotPaths:
                         await part.stop()
                     except Exception:
                         log.exception("stopping %s", name)
+            await forwarder.owners.stop()
             await bundle.accountant.stop()
             await fleet.stop()
             await client.aclose()
@@ -220,6 +240,7 @@ def build_app(cfg: Config, client: httpx.AsyncClient | None = None) -> HotPaths:
         *(Route(path, ep, methods=["POST"]) for path, ep in endpoints.items()),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", model, methods=["GET"]),
+        Route("/v1/responses/{response_id}", retrieve_response, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),

@@ -131,7 +131,11 @@ class ResponsesSSE(SSEFilter):
     ``response`` object; that event ends the stream. Nothing is stripped: the client always gets it.
     """
 
-    __slots__ = ()
+    __slots__ = ("response_id",)
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.response_id: str | None = None  # the terminal event's response id (a stored response's)
 
     def _take_usage(self, out: bytes) -> bytes:
         for event in out.split(_SEP):
@@ -148,6 +152,8 @@ class ResponsesSSE(SSEFilter):
                 self.usage = usage
             if obj.get("type") in RESPONSES_TERMINAL:
                 self.done = True
+                if isinstance(resp, dict) and isinstance(resp.get("id"), str):
+                    self.response_id = resp["id"]
         return out
 
     @staticmethod

@@ -165,6 +165,14 @@ def validate_responses(body: dict[str, Any]) -> None:
     v = body.get("max_output_tokens")
     if v is not None and (not _is_int(v) or v < 1):
         raise _bad("max_output_tokens", f"'max_output_tokens' must be an integer >= 1, got {v!r}")
+    prev = body.get("previous_response_id")
+    if prev is not None and not (isinstance(prev, str) and prev):
+        raise _bad("previous_response_id", "'previous_response_id' must be a response id (a non-empty string)")
+    if body.get("background"):
+        # its work would run after the answer: outside admission control (no slot held) and the ledger (no usage)
+        raise GatewayError(400, "background responses are not served through this gateway: their work would run "
+                           "outside its admission control and accounting; send the request without 'background'",
+                           param="background", code="unsupported_parameter")
 
 
 def validate_embeddings(body: dict[str, Any]) -> None:

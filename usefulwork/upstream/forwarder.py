@@ -22,6 +22,7 @@ import orjson
 from usefulwork.gateway.errors import GatewayError
 from usefulwork.gateway.pipeline import Call, Reply
 from usefulwork.gateway.sse import ResponsesSSE, SSEFilter
+from usefulwork.gateway.stored import LocalOwners, Owner
 from usefulwork.upstream.fleet import Fleet, Replica
 from usefulwork.upstream.http1 import (ConnectFailed, Response, UpstreamClosed, UpstreamError, UpstreamTimeout,
                                       UpstreamTooLarge)
@@ -35,9 +36,10 @@ _PASSED_HEADERS = (b"retry-after",)  # upstream response headers a client may ac
 class Forwarder:
     name = "forward"
 
-    def __init__(self, fleet: Fleet, pickers: dict[str, Picker]):
+    def __init__(self, fleet: Fleet, pickers: dict[str, Picker], owners: LocalOwners | None = None):
         self.fleet = fleet
         self.pickers = pickers
+        self.owners = owners if owners is not None else LocalOwners(100_000)  # stored Responses: id -> Owner
 
     async def __call__(self, call: Call) -> Reply:
         ctx = call.ctx
@@ -48,6 +50,8 @@ class Forwarder:
         ctx.pool = pool.name
         picker = self.pickers[pool.name]
         candidates = self.fleet.candidates(pool)
+        if call.op == "responses" and (prev := call.body.get("previous_response_id")) is not None:
+            candidates = await self._holder(call, prev, "previous_response_id", pool.name)
         ordered = picker.pick(call, candidates) if candidates else candidates
         if not ordered:
             raise GatewayError(503, f"no replica available for model {ctx.model!r}", code="no_replica",
@@ -92,6 +96,48 @@ class Forwarder:
         raise GatewayError(502, f"no replica could serve the request (last error: {last_error})",
                            code="upstream_unavailable", headers=[(b"retry-after", b"1")])
 
+    # -- stored Responses (usefulwork/gateway/stored.py) --
+    async def _holder(self, call: Call, response_id: str, param: str, pool: str | None = None) -> list[Replica]:
+        """The replica holding a stored response of the caller's tenant (as a one-replica candidate list).
+
+        An id this gateway does not know, or another tenant's, is answered 404 in vLLM's words, the same
+        for both, and nothing is forwarded."""
+        owner = await self.owners.owner(response_id)
+        if owner is None or owner.tenant != call.ctx.tenant:
+            raise GatewayError(404, f"Response with id '{response_id}' not found.", param=param, code="not_found")
+        if pool is not None and owner.pool != pool:
+            raise GatewayError(400, f"response '{response_id}' was made by another model's servers (pool "
+                               f"{owner.pool!r}), which alone hold it: continue it with a model that pool serves",
+                               param=param, code="invalid_value")
+        state = self.fleet.pools.get(owner.pool)
+        held = [r for r in (state.replicas if state is not None else ()) if r.url == owner.replica]
+        if not held:  # the server left the pool (discovery): what it stored went with it
+            raise GatewayError(404, f"Response with id '{response_id}' not found (the server that held it has "
+                               "left the pool).", param=param, code="not_found")
+        if not held[0].healthy and held[0] not in self.fleet.candidates(state):
+            raise GatewayError(503, f"the server holding response '{response_id}' is not answering now",
+                               code="no_replica", headers=[(b"retry-after", b"5")])
+        call.ctx.pool = owner.pool
+        return held
+
+    def _note(self, call: Call, replica: Replica, response_id: object) -> None:
+        if isinstance(response_id, str) and response_id and call.body.get("store") is not False:
+            self.owners.note(response_id, Owner(call.ctx.tenant, call.ctx.pool or "", replica.url))
+
+    async def retrieve(self, call: Call, response_id: str) -> Reply:
+        """``GET /v1/responses/{id}``: from the replica holding it, for its own tenant only."""
+        replica = (await self._holder(call, response_id, "response_id"))[0]
+        call.ctx.replica = replica.url
+        lease = self.fleet.lease(replica)
+        state = self.fleet.pools[call.ctx.pool]
+        try:
+            resp = await replica.http.request(b"GET", call.path, b"", _upstream_headers(call.ctx.id, state.cfg.api_key))
+        except (ConnectFailed, UpstreamClosed, UpstreamTimeout):
+            lease.release()
+            raise GatewayError(502, "the server holding the response failed to answer", code="upstream_unavailable",
+                               headers=[(b"retry-after", b"1")]) from None
+        return await self._reply(call, replica, resp, lease)
+
     async def _reply(self, call: Call, replica: Replica, resp: Response, lease) -> Reply:
         if call.ctx.stream and resp.status == 200:
             flavour = ResponsesSSE if call.op == "responses" else SSEFilter
@@ -100,6 +146,8 @@ class Forwarder:
             reply.chunks = self._relay(call, replica, resp, filt, reply)
             reply.on_close(lease.release)
             reply.on_close(resp.close)  # back to the pool if complete; aborted (upstream cancels) if not
+            if call.op == "responses":
+                reply.on_close(lambda: self._note(call, replica, filt.response_id))
             return reply
         try:
             data = await resp.read()
@@ -120,7 +168,11 @@ class Forwarder:
                 headers.append((name, value))
         reply = Reply(resp.status, headers, body=data)
         if resp.status == 200:
-            reply.usage = _usage_of(data)
+            answer = _json_of(data)
+            usage = answer.get("usage")
+            reply.usage = usage if isinstance(usage, dict) else None
+            if call.op == "responses":
+                self._note(call, replica, answer.get("id"))
         else:
             call.ctx.error = data[:500].decode("utf-8", "replace")
         return reply
@@ -164,10 +216,9 @@ def _upstream_headers(request_id: str, pool_key: str | None) -> bytes:
     return h
 
 
-def _usage_of(data: bytes) -> dict | None:
+def _json_of(data: bytes) -> dict:
     try:
         obj = orjson.loads(data)
     except orjson.JSONDecodeError:
-        return None
-    usage = obj.get("usage") if isinstance(obj, dict) else None
-    return usage if isinstance(usage, dict) else None
+        return {}
+    return obj if isinstance(obj, dict) else {}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -86,6 +87,7 @@ class ParsedRequest:
     logprobs: int | None  # number of top alternatives (0 = only the sampled token), None = off
     seed: int | None
     priority: int = 0  # vLLM's request priority (lower first; only with --scheduling-policy priority)
+    messages: list[dict[str, Any]] | None = None  # responses: the conversation so far (a stored one's included)
 
 
 class SimServer:
@@ -100,6 +102,17 @@ class SimServer:
         self.max_model_len = engine.spec.max_model_len
         self.max_logprobs = engine.spec.flags.max_logprobs
         self.by_priority = engine.spec.flags.scheduling_policy == "priority"
+        # The Responses API's store, as vLLM's: off unless VLLM_ENABLE_RESPONSES_API_STORE=1, in this process's
+        # memory only (a stored response is known to the one server that made it), never evicted.
+        self.store_enabled = bool(int(os.environ.get("VLLM_ENABLE_RESPONSES_API_STORE", "0") or "0"))
+        self.response_store: dict[str, dict[str, Any]] = {}
+        self.stored_messages: dict[str, list[dict[str, Any]]] = {}
+
+    def store_response(self, body: dict[str, Any], parsed: ParsedRequest, obj: dict[str, Any], text: str) -> None:
+        if self.store_enabled and body.get("store", True) is not False:
+            self.response_store[obj["id"]] = obj
+            self.stored_messages[obj["id"]] = [*(m for m in parsed.messages or () if m["role"] != "system"),
+                                               {"role": "assistant", "content": text}]
 
     # -- validation (vLLM's rules and messages) --
     def _check_model(self, body: dict[str, Any]) -> None:
@@ -243,6 +256,11 @@ class SimServer:
             messages = [{"role": m.get("role", "user"), "content": _item_text(m.get("content"))} for m in inp]
         else:
             raise APIError(400, "input must be a string or a non-empty list of input items.", param="input")
+        prev = body.get("previous_response_id")
+        if prev is not None:  # as vLLM: the stored conversation (its instructions not carried over), then the input
+            if prev not in self.stored_messages:
+                raise APIError(404, f"Response with id '{prev}' not found.", "invalid_request_error", "response_id")
+            messages = [*self.stored_messages[prev], *messages]
         if isinstance(body.get("instructions"), str):
             messages.insert(0, {"role": "system", "content": body["instructions"]})
         ids = self.tokenizer.encode_chat(messages)
@@ -252,7 +270,7 @@ class SimServer:
                              max_tokens=self._max_tokens({"max_tokens": limit}, len(ids), "responses"),
                              stream=bool(body.get("stream", False)), include_usage=True, continuous_usage=False,
                              ignore_eos=bool(body.get("ignore_eos", False)), logprobs=None,
-                             seed=_int_or_none(body.get("seed")))
+                             seed=_int_or_none(body.get("seed")), messages=messages)
 
     def responses_usage(self, req: SimRequest) -> dict[str, Any]:
         p, c = req.num_prompt_tokens, req.num_output_tokens
@@ -487,7 +505,8 @@ def build_app(server: SimServer) -> Starlette:
 
     async def responses(request: Request) -> Response:
         try:
-            parsed = server.parse_responses(await _body(request))
+            body = await _body(request)
+            parsed = server.parse_responses(body)
         except APIError as e:
             return error_response(e.status, e.message, e.type, e.param)
         sink = StreamSink()
@@ -538,6 +557,7 @@ def build_app(server: SimServer) -> Starlette:
                     if done:
                         break
                 final = response_obj("completed", text, server.responses_usage(req))
+                server.store_response(body, parsed, final, text)
                 for obj in ({"type": "response.output_text.done", "item_id": msg_id, "output_index": 0,
                              "content_index": 0, "text": text, "logprobs": []},
                             {"type": "response.output_item.done", "output_index": 0, "item": final["output"][0]},
@@ -553,7 +573,16 @@ def build_app(server: SimServer) -> Starlette:
         tokens = await _collect(request, req, sink)
         if tokens is None:
             return Response(status_code=499)
-        return _json(response_obj("completed", server.text(tokens), server.responses_usage(req)))
+        final = response_obj("completed", server.text(tokens), server.responses_usage(req))
+        server.store_response(body, parsed, final, server.text(tokens))
+        return _json(final)
+
+    async def retrieve_response(request: Request) -> Response:
+        rid = request.path_params["response_id"]
+        obj = server.response_store.get(rid)
+        if obj is None:
+            return error_response(404, f"Response with id '{rid}' not found.", "invalid_request_error", "response_id")
+        return _json(obj)
 
     async def embeddings(request: Request) -> Response:
         try:
@@ -632,6 +661,7 @@ def build_app(server: SimServer) -> Starlette:
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/responses", responses, methods=["POST"]),
+            Route("/v1/responses/{response_id}", retrieve_response, methods=["GET"]),
             Route("/v1/embeddings", embeddings, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
