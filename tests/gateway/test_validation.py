@@ -143,3 +143,12 @@ def test_a_responses_request_names_a_stored_response_by_its_id_and_is_never_back
     with pytest.raises(GatewayError) as e:
         validate_responses({"model": "m", "input": "x", **extra})
     assert (e.value.status, e.value.param) == (status, param)
+
+
+def test_a_responses_string_input_is_the_users_message_when_the_operation_says_so():
+    from usefulwork.gateway.validation import messages_of
+
+    assert messages_of({"input": "q"}) is None  # an embeddings input reads the same: a plain prompt
+    assert messages_of({"input": "q"}, "responses") == [("user", "q")]
+    assert messages_of({"input": "q"}, "embeddings") is None
+    assert messages_of({"instructions": "s", "input": "q"}) == [("system", "s"), ("user", "q")]

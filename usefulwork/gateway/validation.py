@@ -230,10 +230,12 @@ def _text_of(content: Any) -> str | None:
     return content if isinstance(content, str) else None
 
 
-def messages_of(body: dict[str, Any]) -> list[tuple[str, str | None]] | None:
+def messages_of(body: dict[str, Any], op: str | None = None) -> list[tuple[str, str | None]] | None:
     """(role, text) of a chat request's messages, or of a Responses request's ``instructions`` (as the
     system message vLLM makes of them) and ``input`` (its items, or its one string as the user's); None
-    for a request with a plain prompt (completions, embeddings, a Responses string without instructions)."""
+    for a request with a plain prompt (completions, embeddings). A string ``input`` without instructions
+    is a Responses request's only when ``op`` says so (vLLM renders every Responses request as a chat);
+    without ``op`` it reads as a plain prompt."""
     messages = body.get("messages")
     if isinstance(messages, list):
         items = messages
@@ -241,7 +243,8 @@ def messages_of(body: dict[str, Any]) -> list[tuple[str, str | None]] | None:
     else:
         inp, instructions = body.get("input"), body.get("instructions")
         has_items = isinstance(inp, list) and any(isinstance(x, dict) for x in inp)
-        if not has_items and not (isinstance(instructions, str) and instructions and isinstance(inp, str)):
+        chat_string = isinstance(inp, str) and (op == "responses" or (isinstance(instructions, str) and instructions))
+        if not has_items and not chat_string:
             return None
         out = [("system", instructions)] if isinstance(instructions, str) and instructions else []
         if isinstance(inp, str):

@@ -49,9 +49,10 @@ class Forwarder:
                                code="model_not_found")
         ctx.pool = pool.name
         picker = self.pickers[pool.name]
-        candidates = self.fleet.candidates(pool)
         if call.op == "responses" and (prev := call.body.get("previous_response_id")) is not None:
             candidates = await self._holder(call, prev, "previous_response_id", pool.name)
+        else:
+            candidates = self.fleet.candidates(pool)
         ordered = picker.pick(call, candidates) if candidates else candidates
         if not ordered:
             raise GatewayError(503, f"no replica available for model {ctx.model!r}", code="no_replica",

@@ -131,9 +131,7 @@ class BlockHasher:
         input items (a string input: the user's message)."""
         messages = body.get("messages")
         if not isinstance(messages, list):
-            items = messages_of(body)
-            if items is None and op == "responses" and isinstance(body.get("input"), str):
-                items = [("user", body["input"])]
+            items = messages_of(body, op)
             messages = None if items is None else [{"role": r, "content": t or ""} for r, t in items]
         if messages is not None:
             return self.tokenizer.encode_chat(messages)

@@ -573,8 +573,9 @@ def build_app(server: SimServer) -> Starlette:
         tokens = await _collect(request, req, sink)
         if tokens is None:
             return Response(status_code=499)
-        final = response_obj("completed", server.text(tokens), server.responses_usage(req))
-        server.store_response(body, parsed, final, server.text(tokens))
+        text = server.text(tokens)
+        final = response_obj("completed", text, server.responses_usage(req))
+        server.store_response(body, parsed, final, text)
         return _json(final)
 
     async def retrieve_response(request: Request) -> Response:
