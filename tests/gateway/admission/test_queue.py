@@ -742,7 +742,21 @@ def test_a_bursts_prefills_are_judged_at_a_full_pools_turnover_not_at_the_bursts
         cap = burst(0.20, 12)
     assert "live decode 90 ms a token (read 200 ms" in caplog.text
     assert cap.live_tpot == pytest.approx(0.09) and cap.decreases == cap.live_decreases == 1
-    assert cap.limit == pytest.approx(12 / 1.2)  # from what was in flight, in proportion to 90 / 75 ms
+    # to the limit at which the model meets the target: 50 ms of decode + 12.5 slots x 2 ms = 75 ms (in
+    # proportion to 90 / 75 ms from what was in flight, 12, it would be 10)
+    assert cap.limit == pytest.approx(12.5)
+    # A pool of 8 under a limit of 19 it never used (the real CPU vLLM's burst-retry cell, session 43):
+    # judged at the limit's turnover (60 ms of decode + 38 ms), cut in proportion to what ran it would go
+    # to 6.1, under what runs, where the model puts the target at 7.5. The cut goes there.
+    cap = burst(0.12, 8, limit=19)
+    assert cap.live_tpot == pytest.approx(0.06 + 19 * 0.002) and cap.decreases == 1
+    assert cap.limit == pytest.approx((0.075 - 0.06) / 0.002)
+    # never lower than the proportional cut (87.5 ms of decode alone: over the target at any limit) ...
+    cap = burst(0.35, 12)
+    assert cap.limit == pytest.approx(12 * 0.075 / (0.0875 + 0.04))
+    # ... and a cut of at least 10% (the model's 12.5 against a limit of 13)
+    cap = burst(0.2, 12, limit=13)
+    assert cap.limit == pytest.approx(0.9 * 13)
     # fewer prompts than a full pool brings: judged as read (never rescaled up)
     cap = burst(0.12, 2)
     assert cap.live_tpot == 0.12 and cap.decreases == 1
