@@ -208,31 +208,6 @@ def test_a_quiet_tenant_does_not_wait_for_a_heavy_tenants_work_to_drain_to_a_lim
     assert q.inflight_tenant == {"heavy": 12, "quiet": 5}
 
 
-def test_in_a_small_pool_a_tenant_holding_exactly_its_share_is_not_shed_while_a_slot_stands_empty():
-    """An SLO limit of 4 among four active tenants is a share of one slot each. A quiet tenant whose one
-    request still decodes is within its share: its next one may take the slot the heavy tenant (two held,
-    over its share) leaves free, as work beyond its share (vLLM priority after work within shares).
-    Counted as over, it had to leave that slot free too and was shed with the pool at 3 of 4 (the real
-    CPU vLLM's fairness cell, answers of 10-16 s)."""
-    q = make_queue(limit=4, service_s=12.0)
-    q.tenant_headroom = 0.1
-    for tenant in ("q1", "q3"):  # active, nothing in flight
-        t = ticket(0.0, tenant)
-        q.offer(t, 0.0)
-        q.release(t, 0.01)
-    first = ticket(0.1, "q2")
-    assert q.offer(first, 0.1).kind == "admit" and first.engine_priority == 0
-    heavy = [ticket(0.2, "heavy") for _ in range(3)]
-    # heavy: its first within its share, its second beyond it (admitted, low band), its third shed (it
-    # holds two, over its share of one, and leaves the headroom slot free)
-    assert [q.offer(t, 0.2).kind for t in heavy] == ["admit", "admit", "shed"]
-    assert [t.engine_priority for t in heavy[:2]] == [0, 1]
-    assert q.share_state("q2", 4) == -1 and q.share_state("heavy", 4) == 1
-    second = ticket(5.0, "q2")
-    assert q.offer(second, 5.0).kind == "admit" and second.engine_priority == 1
-    assert q.inflight_tenant == {"q2": 2, "heavy": 2}
-
-
 def test_vllm_priority_puts_tenants_under_their_share_first_within_a_class():
     q = make_queue(limit=10, service_s=1.0)
     q.tenant_headroom = 0.1

@@ -308,33 +308,13 @@ class PoolQueue:
         return max(0, over - allowed)
 
     def over_share(self, tenant: str, slo: int) -> bool:
-        """A new request of ``tenant`` would go beyond its weighted share of the SLO limit among the tenants
-        active in the last ``tenant_active_s`` (it holds at least that share; a lone tenant never does: its
-        share is the whole pool). Such work is low-band: vLLM priority after work within shares
-        (``Ticket.engine_priority``), and its prompts held back while others are about (``low_band_free``)."""
-        share = self._share(tenant, slo)
-        return share is not None and self.inflight_tenant.get(tenant, 0) >= share
+        """``tenant`` holds at least its weighted share of the SLO limit among the tenants active in the
+        last ``tenant_active_s`` (a lone tenant never does: its share is the whole pool)."""
+        return self.share_state(tenant, slo) == 1
 
     def share_state(self, tenant: str, slo: int) -> int:
-        """1: ``tenant`` holds more than its weighted share of the SLO limit among the tenants active in
-        the last ``tenant_active_s``; -1: it holds no more, and others are active; 0: it is alone. A tenant
-        over its share leaves the headroom free for the others; one within it may use the headroom beyond
-        the limit (``slot_free``).
-
-        A tenant holding exactly its share is within it here: it may still be admitted, as work beyond its
-        share (``over_share``). (Counted as over, a small pool shed a quiet tenant: on the real CPU vLLM an
-        SLO limit of 4 among four active tenants is a share of one slot each, and a quiet tenant whose one
-        request was still decoding (answers take 10-16 s there) had to leave the headroom free for its next
-        one, as the heavy tenant holding two did: it was shed while a slot stood empty; docs/benchmarks.md
-        section 7, session 43.)"""
-        share = self._share(tenant, slo)
-        if share is None:
-            return 0
-        return 1 if self.inflight_tenant.get(tenant, 0) > share else -1
-
-    def _share(self, tenant: str, slo: int) -> float | None:
-        """``tenant``'s weighted share of ``slo`` slots among the tenants active in the last
-        ``tenant_active_s`` (None: it is alone)."""
+        """1: ``tenant`` holds at least its weighted share of the SLO limit among the tenants active in
+        the last ``tenant_active_s``; -1: it holds less, and others are active; 0: it is alone."""
         now = self._now
         if not now - self._active[0] < 1.0:  # recomputed at most once a second (and when a tenant appears)
             horizon = now - self.tenant_active_s
@@ -346,7 +326,9 @@ class PoolQueue:
         w = self.weight_of(tenant)
         if tenant not in self.last_seen:
             total += w
-        return None if total <= w else slo * w / total
+        if total <= w:
+            return 0
+        return 1 if self.inflight_tenant.get(tenant, 0) >= slo * w / total else -1
 
     def drain_rate(self, cls: int) -> float | None:
         rate = self.capacity.drain_rate()
