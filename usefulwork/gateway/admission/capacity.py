@@ -141,8 +141,6 @@ class Capacity:
         self.slow_start_decode = math.inf  # the decode speed that credit needs (the tightest of its requests')
         self.live_tpot_mean: float | None = None  # the replicas' mean of it (what one request, on one replica, decodes at)
         self._live_seen: dict[int, int] = {}  # id(replica) -> its scrape count when last judged
-        # the last live figure's lifetime model, where it was rescaled: (decode s a token, s a token per slot)
-        self._live_model: tuple[float, float] | None = None
         self._scrape_times: deque[float] = deque(maxlen=LIVE_SCRAPES)  # when the last scrapes were judged
         self._admits: deque[float] = deque()  # when requests were admitted (their prompts sent), the last minute
         self.live_tpot_peak: float | None = None  # the slowest replica's live figure as read (before ``_lifetime``)
@@ -395,8 +393,9 @@ class Capacity:
         lives = _healthy_figures(reps, "itl_live")
         live = self.live_tpot_peak = max(lives, default=None)
         self._scrape_times.append(now)
+        model = None
         if live is not None:
-            live = self._lifetime(live, now)
+            live, model = self._lifetime(live, now)
         self.live_tpot = live
         self.live_tpot_mean = _mean(lives)
         self.live_prefill = _mean(_healthy_figures(reps, "prefill_live"))
@@ -424,14 +423,14 @@ class Capacity:
         if now - self.last_decrease < self.service:
             return
         new = self._cut_to(min(self.limit, inflight / n), live / self.tpot_target, n)
-        if self._live_model is not None:
+        if model is not None:
             # Judged at a full pool's turnover, the figure is ``decode + limit x per_slot``: the cut goes to
             # the limit at which that meets the target, if that leaves more than the proportional cut (and
             # still cuts at least 10%). (In proportion to what ran, a pool of 6 judged at its limit's
             # turnover (19.2 slots of others' prompts) was cut to 4.1, where its answers decoded at 94 ms
             # against the 112 ms target and the model itself put the target at 8: the real CPU vLLM's
             # burst-retry cell, docs/benchmarks.md section 7, session 43.)
-            decode, per_slot = self._live_model
+            decode, per_slot = model
             new = max(new, min((self.tpot_target - decode) / per_slot, 0.9 * self.limit))
         if new < self.limit:
             self._cut(new, now, self._live_why(live, inflight))
@@ -444,8 +443,9 @@ class Capacity:
         while a[0] < now - 60.0:
             a.popleft()
 
-    def _lifetime(self, live: float, now: float) -> float:
-        """The live decode speed as a request admitted now would see it over its life.
+    def _lifetime(self, live: float, now: float) -> tuple[float, tuple[float, float] | None]:
+        """The live decode speed as a request admitted now would see it over its life, and where it was
+        rescaled, the model that rescaled it: (decode s a token, s a token per slot of the limit).
 
         A token's gap spans any prefill that ran in its step, so while a burst's prompts are prefilled the
         live figure is the peak's: on the real CPU vLLM (0.25 s a prompt, ~3 prompts a second) they
@@ -466,23 +466,21 @@ class Capacity:
         77-98 ms against the 112 ms target, and admission on shed 20 of 63 requests that admission off
         served within the SLO; docs/benchmarks.md section 7, session 35.) Judged on the peak, two live cuts
         took the SLO limit from 27 to 14.6 in a burst (session 29). Needs a prefill time, a measured round
-        trip and the answers' mean length. Where it rescales, the model is kept (``_live_model``): a cut
-        goes no lower than the limit at which it meets the target (``judge_live``)."""
-        self._live_model = None
+        trip and the answers' mean length. Where it rescales, a cut goes no lower than the limit at which the
+        model meets the target (``judge_live``)."""
         pe, out = self.prefill_time(), self.out_mean
         if pe is None or not out or not self.service or len(self._scrape_times) < 2:
-            return live
+            return live, None
         span = now - self._scrape_times[0]
         if span <= 0:
-            return live
+            return live, None
         recent = len(self._admits) - bisect.bisect_right(self._admits, now - span)
         s_now = min(PREFILL_SHARE_MAX, recent / self.count() * pe / span)
         decode = live * (1.0 - s_now)
         judged = decode + self.limit * pe / out
         if judged >= live:
-            return live
-        self._live_model = (decode, pe / out)
-        return judged
+            return live, None
+        return judged, (decode, pe / out)
 
     def _live_why(self, live: float, inflight: int) -> str:
         peak = self.live_tpot_peak
