@@ -122,28 +122,39 @@ def _no_tail(self, xs):  # noqa: ANN001
     return None
 
 
+def _s(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _x(x: float | None) -> str:
+    return "-" if x is None or x == math.inf else f"{x:.2f}x"
+
+
 def _seeds(spec: str) -> list[int]:
     lo, _, hi = spec.partition("-")
     return list(range(int(lo), int(hi or lo) + 1))
 
 
-def classes(seeds: list[int]) -> dict[str, Any]:
+def classes(seeds: list[int], host: admission_clock.Host = admission_clock.A100) -> dict[str, Any]:
     """The priority and fairness cells per seed, shipped settings vs the low-band gate off."""
     variants = {"shipped": AdmissionCfg(), "gate-off": AdmissionCfg(low_band_prefills=0)}
     data: dict[str, Any] = {}
     for name, cfg in variants.items():
-        data[name] = {seed: {"priority": admission_clock.priority_cell(seed, cfg),
-                             "fairness": admission_clock.fairness_cell(seed, cfg)} for seed in seeds}
-    print("| seed | variant | interactive TTFT p99 / alone (s) | ratio | tokens/s vs off | quiet TTFT p99 / alone (ratio) "
-          "| worst quiet: floor |")
-    print("|---|---|---|---|---|---|---|")
+        data[name] = {seed: {"priority": admission_clock.priority_cell(seed, cfg, host),
+                             "fairness": admission_clock.fairness_cell(seed, cfg, host)} for seed in seeds}
+    print(f"host: {host.name}; the cells at {host.rate:.3g} req/s, SLO TTFT/TPOT/E2E {host.slo} s")
+    print("| seed | variant | interactive TTFT p99 / alone (s) | ratio (floor) | tokens/s vs off | quiet TTFT p99 / alone (ratio) "
+          "| worst quiet: floor | quiet shed | Jain (backlogged) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for seed in seeds:
         for name in variants:
             p, f = data[name][seed]["priority"], data[name][seed]["fairness"]
-            quiet = ", ".join(f"{v['p99_s']:.3f} / {v['alone_p99_s']:.3f} ({v['ratio']:.2f}x)" for v in f["quiet"].values())
-            print(f"| {seed} | {name} | {p['interactive_p99_s']:.3f} / {p['alone_p99_s']:.3f} | {p['ratio']:.2f}x | "
+            quiet = ", ".join(f"{_s(v['p99_s'])} / {_s(v['alone_p99_s'])} ({_x(v['ratio'])})" for v in f["quiet"].values())
+            shed = sum(n for c, n in f["shed"].items() if c != "heavy")
+            jb = "-" if f["jain_backlogged"] is None else f"{f['jain_backlogged']:.2f}"
+            print(f"| {seed} | {name} | {_s(p['interactive_p99_s'])} / {_s(p['alone_p99_s'])} | {_x(p['ratio'])} ({_x(p['floor_ratio'])}) | "
                   f"{p['tokens_per_s']:.0f} / {p['off_tokens_per_s']:.0f} ({p['throughput_ratio']:.3f}) | {quiet} | "
-                  f"{f['worst_floor_ratio']:.2f}x |")
+                  f"{_x(f['worst_floor_ratio'])} | {shed} | {jb} |")
     print("\nWhere the slowest first token went (shipped; ms: gateway queue + engine wait + own prefill step(s), "
           "the API front-end's fixed delay aside), loaded | alone:")
     print("| seed | client | loaded | alone |")
@@ -156,11 +167,14 @@ def classes(seeds: list[int]) -> dict[str, Any]:
     for name in variants:
         rows = list(data[name].values())
         met_p = sum(1 for r in rows if r["priority"]["ratio"] <= 1.2)
+        can_p = sum(1 for r in rows if r["priority"]["floor_ratio"] <= 1.2)
         met_t = sum(1 for r in rows if r["priority"]["throughput_ratio"] >= 0.95)
         met_f = sum(1 for r in rows if r["fairness"]["worst_ratio"] <= 1.2)
         can_f = sum(1 for r in rows if r["fairness"]["worst_floor_ratio"] <= 1.2)
-        print(f"{name}: interactive <= 1.2x in {met_p}/{len(rows)} seeds, throughput >= 95% in {met_t}/{len(rows)}, "
-              f"every quiet tenant <= 1.2x in {met_f}/{len(rows)} (possible at all, by the floor: {can_f}/{len(rows)})")
+        met_j = sum(1 for r in rows if (r["fairness"]["jain_backlogged"] or 1.0) >= 0.95)
+        print(f"{name}: interactive <= 1.2x in {met_p}/{len(rows)} seeds (by the floor: {can_p}/{len(rows)}), throughput >= 95% in {met_t}/{len(rows)}, "
+              f"every quiet tenant <= 1.2x in {met_f}/{len(rows)} (possible at all, by the floor: {can_f}/{len(rows)}), "
+              f"Jain >= 0.95 in {met_j}/{len(rows)}")
     return data
 
 
@@ -379,6 +393,11 @@ def main() -> int:
     ap.add_argument("--restart", action="store_true",
                     help="the burst-retry clients against a gateway restarted beside a full fleet (cold hold: SLO vs replicas' figure)")
     ap.add_argument("--seeds", default="1-6", help="with --classes or --retry: seeds, e.g. 1-6")
+    ap.add_argument("--probe", type=Path, default=None,
+                    help="with --classes: the real CPU vLLM of a recorded admission-vllm run (its results.json: the step "
+                         "times fitted to its probe, its rate scale) instead of the simulated A100")
+    ap.add_argument("--margin", type=float, default=None,
+                    help="with --probe: every step this much longer than probed (default: the run's speed_margin)")
     ap.add_argument("--gateways", type=int, default=1,
                     help="with --retry: gateway processes behind a round-robin load balancer (each attempt to the next)")
     args = ap.parse_args()
@@ -393,7 +412,10 @@ def main() -> int:
             args.json.write_text(json.dumps(data, indent=1))
         return 0
     if args.classes:
-        data = classes(_seeds(args.seeds))
+        host = admission_clock.A100
+        if args.probe:
+            host = admission_clock.probed_host(json.loads(args.probe.read_text()), args.probe.name, args.margin)
+        data = classes(_seeds(args.seeds), host)
         if args.json:
             args.json.write_text(json.dumps(data, indent=1))
         return 0

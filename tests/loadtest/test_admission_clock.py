@@ -25,3 +25,44 @@ def test_the_floor_is_under_every_first_token_served_and_over_one_prompt_alone()
         assert len(loaded.arrived[q]) == len(loaded.ttft[q])  # none shed: each arrival has its first token
         ratios.append(floor / alone.p99(q))
     assert max(ratios) > 1.2, ratios
+
+
+# The calibration a real run recorded (session 43's slow AMX host: docs/bench/admission-vllm-results-s43.json).
+S43 = {"calibration": {
+    "probe": {"prefill_s": 0.4342, "decode_1_s": 0.04949, "concurrency": 8, "decode_n_s": 0.06587, "output_tokens": 128,
+              "base_s": 0.07321, "prompt_tokens": 512, "together_first_s": 1.7231},
+    "step_model": {"step_s": 0.047153, "per_seq_s": 0.0023401, "per_token_s": 0.00070499, "per_token2_s": 0.0,
+                   "front_end_s": 0.023717},
+    "speed_margin": 0.15, "rate_scale": 0.8911}}
+
+
+def test_a_recorded_real_run_is_replayed_on_its_fitted_steps_at_its_scale():
+    """``probed_host``: the admission-vllm experiment's SLO and cells (the 2x rate, the priority and fairness
+    cells' lengths, the capacity-0.6 cell as the warm-up) at the run's scale F, on the step times fitted to
+    its probe, each ``1 + speed_margin`` as long; a run recorded before the step model was kept is fitted
+    from its probe."""
+    host = admission_clock.probed_host(S43)
+    f = S43["calibration"]["rate_scale"]
+    assert host.slo == (5.0, 0.15, 30.0)
+    assert abs(host.rate - 1.4 * f) < 1e-9 and abs(host.fairness_s - 160 / f) < 1e-9 and abs(host.priority_s - 40 / f) < 1e-9
+    assert abs(host.warm_rate - 0.6 * f) < 1e-9 and abs(host.warm_s - 60 / f) < 1e-9
+    assert abs(host.step_model.step_s - 0.047153 * 1.15) < 1e-9
+    assert admission_clock.probed_host(S43, margin=0.0).step_model.step_s == 0.047153
+    old = {"calibration": {k: v for k, v in S43["calibration"].items() if k != "step_model"}}
+    assert abs(admission_clock.probed_host(old, margin=0.0).step_model.per_token_s - 0.00070499) < 2e-5
+    # a lone prompt's first token on the replica is the probe's (its prefill step and the API's time)
+    alone = admission_clock.run([(1.0, admission_clock.Client("q1", "q1", 0))], None, 10.0,
+                                host=admission_clock.probed_host(S43, margin=0.0))
+    assert abs(alone.ttft["q1"][0] - S43["calibration"]["probe"]["prefill_s"]) < 0.05, alone.ttft
+
+
+def test_on_the_cpu_vllm_a_prefill_in_progress_puts_the_quiet_tenants_floor_over_the_target():
+    """On the real CPU vLLM's replica a 512-token prefill holds the engine ~0.4 s, about a lone prompt's
+    whole first token: a quiet prompt that reaches the engine during the heavy tenant's prefill waits for
+    it, so the floor of its p99 is far over 1.2x whatever the gateway does, and the served p99 is over
+    the floor."""
+    host = admission_clock.probed_host(S43)
+    res = admission_clock.fairness_cell(1, AdmissionCfg(), host)
+    for q, row in res["quiet"].items():
+        assert row["floor_ratio"] > 1.2, (q, row)
+        assert row["floor_p99_s"] <= row["p99_s"], (q, row)

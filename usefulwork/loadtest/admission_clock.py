@@ -29,11 +29,59 @@ from usefulwork.backends.sim.engine import SimEngine
 from usefulwork.gateway.admission.capacity import Capacity, Sample
 from usefulwork.gateway.admission.config import AdmissionCfg
 from usefulwork.gateway.admission.queue import PoolQueue, Ticket
+from usefulwork.loadtest import calibrate
+from usefulwork.loadtest.admission import jain
+from usefulwork.loadtest.calibrate import StepModel
+from usefulwork.loadtest.experiment import load_experiment
 
 SLO = (2.0, 0.1, 5.0)  # TTFT, TPOT, E2E seconds: the experiment's
 PROMPT, OUTPUT = 512, 128
 BATCH_DEADLINE_S = 60.0  # admission's default deadline for the batch class
 WARM_S, PAUSE_S, WARM_RATE = 30.0, 5.0, 8.0
+
+
+@dataclass(frozen=True)
+class Host:
+    """The engine the cells run on, with the experiment's SLO and traffic for it."""
+
+    name: str = "A100-80G"
+    slo: tuple[float, float, float] = SLO  # TTFT, TPOT, E2E seconds
+    rate: float = 24.0  # the priority and fairness cells' arrivals per second (2x the capacity)
+    priority_s: float = 30.0  # the priority cell's length
+    fairness_s: float = 30.0  # the fairness cell's length
+    warm_rate: float = WARM_RATE  # the traffic that warms the queue before a cell (under capacity) ...
+    warm_s: float = WARM_S  # ... and for how long
+    step_model: StepModel | None = None  # None: the simulated A100-80G serving Llama-3.1-8B
+
+    def engine(self, scheduling_policy: str) -> SimEngine:
+        if self.step_model is None:
+            return SimEngine(build_spec(gpu="A100-80G", model="Llama-3.1-8B", overrides={"scheduling_policy": scheduling_policy}))
+        return calibrate.engine(self.step_model, PROMPT + OUTPUT, scheduling_policy=scheduling_policy)
+
+
+A100 = Host()
+
+
+def probed_host(results: dict[str, Any], name: str = "probed", margin: float | None = None) -> Host:
+    """The real CPU vLLM of a recorded ``admission-vllm`` run on the virtual clock: the step times fitted
+    to that run's probe (its results.json ``calibration``) and the experiment's cells at that run's scale
+    (``rate_scale``, F): its SLO, the priority and fairness cells' rate and lengths, and the first cell
+    (``capacity-0.6``) as the warm-up. The run's cells shared the host's two cores with the gateway and the
+    load generator, so they ran slower than the probe: every step is ``1 + margin`` times as long as
+    probed (None: the run's own ``speed_margin``, the margin its capacity estimate took)."""
+    cal = results["calibration"]
+    margin = cal.get("speed_margin", 0.0) if margin is None else margin
+    # (runs before the step model was recorded carry the probe it is fitted to)
+    model = StepModel(**cal["step_model"]) if cal.get("step_model") else StepModel.fit(calibrate.Probe(**cal["probe"]))
+    exp = load_experiment("admission-vllm")
+    exp.scale_rates(cal["rate_scale"])
+    shape = exp.shapes[0]
+    prio, fair, warm = (exp.case_for(shape, c) for c in ("priority-2x", "fairness-4", "capacity-0.6"))
+    if prio.arrival["rate"] != fair.arrival["rate"]:
+        raise ValueError("admission-vllm: the priority and fairness cells are expected at one rate")
+    slo = exp.slo
+    return Host(name, (slo.ttft_ms / 1e3, slo.tpot_ms / 1e3, slo.e2e_ms / 1e3), prio.arrival["rate"], prio.duration_s,
+                fair.duration_s, warm.arrival["rate"], warm.duration_s, model.slower(margin))
 
 
 @dataclass(frozen=True)
@@ -95,19 +143,19 @@ class Result:
 
 
 def run(cell: list[tuple[float, Client]], admission: AdmissionCfg | None, duration_s: float,
-        scheduling_policy: str = "priority") -> Result:
+        scheduling_policy: str = "priority", host: Host = A100) -> Result:
     """Serve ``cell`` (offsets from its start) behind admission (None: every request forwarded at once)."""
-    eng = SimEngine(build_spec(gpu="A100-80G", model="Llama-3.1-8B", overrides={"scheduling_policy": scheduling_policy}))
+    eng = host.engine(scheduling_policy)
     q = None
     if admission is not None:
-        cap = Capacity(admission, *SLO, replica_count=lambda: 1, priority_scheduling=scheduling_policy == "priority")
-        q = PoolQueue.from_cfg("p", cap, admission, SLO[2])
+        cap = Capacity(admission, *host.slo, replica_count=lambda: 1, priority_scheduling=scheduling_policy == "priority")
+        q = PoolQueue.from_cfg("p", cap, admission, host.slo[2])
     t0 = 0.0
     timeline: list[tuple[float, Client, bool]] = []  # (time, client, measured)
     if q is not None and cell:
         warm = Client("warm", cell[0][1].tenant, 0)
-        timeline += [(t, warm, False) for t, _ in arrivals((warm,), WARM_RATE, WARM_S, seed=7)]
-        t0 = WARM_S + PAUSE_S
+        timeline += [(t, warm, False) for t, _ in arrivals((warm,), host.warm_rate, host.warm_s, seed=7)]
+        t0 = host.warm_s + PAUSE_S
     timeline += [(t0 + t, c, True) for t, c in cell]
     res = Result()
     of: dict[Any, tuple[Ticket, Client, bool]] = {}  # engine request -> its ticket, client, measured
@@ -123,7 +171,7 @@ def run(cell: list[tuple[float, Client]], admission: AdmissionCfg | None, durati
         if now == t_arrive:
             _, client, measured = timeline[i]
             i += 1
-            deadline = SLO[0] if client.cls == 0 else BATCH_DEADLINE_S
+            deadline = host.slo[0] if client.cls == 0 else BATCH_DEADLINE_S
             if measured:
                 res.arrived.setdefault(client.name, []).append(now)
             tk = Ticket(client.tenant, client.cls, float(PROMPT + OUTPUT), now, now + deadline, max_tokens=OUTPUT)
@@ -212,27 +260,35 @@ def floor_p99(loaded: Result, alone: Result, client: str) -> float | None:
     return float(np.percentile(floors, 99))
 
 
-def priority_cell(seed: int, cfg: AdmissionCfg, rate: float = 24.0, duration_s: float = 30.0) -> dict[str, Any]:
-    """Interactive TTFT p99 at 2x overload against the same interactive arrivals alone, and the engine's
-    output tokens/s against admission off (FCFS, every request forwarded: the off profile)."""
-    cell = arrivals(PRIORITY_MIX, rate, duration_s, seed)
-    loaded = run(cell, cfg, duration_s)
-    alone = run(only(cell, {"interactive"}), cfg, duration_s)
-    off = run(cell, None, duration_s, scheduling_policy="fcfs")
-    p, b = loaded.p99("interactive"), alone.p99("interactive")
+def priority_cell(seed: int, cfg: AdmissionCfg, host: Host = A100) -> dict[str, Any]:
+    """Interactive TTFT p99 at 2x overload against the same interactive arrivals alone (and its floor,
+    ``floor_p99``), and the engine's output tokens/s against admission off (FCFS, every request
+    forwarded: the off profile)."""
+    duration_s = host.priority_s
+    cell = arrivals(PRIORITY_MIX, host.rate, duration_s, seed)
+    loaded = run(cell, cfg, duration_s, host=host)
+    alone = run(only(cell, {"interactive"}), cfg, duration_s, host=host)
+    off = run(cell, None, duration_s, scheduling_policy="fcfs", host=host)
+    p, b, f = loaded.p99("interactive"), alone.p99("interactive"), floor_p99(loaded, alone, "interactive")
     return {"interactive_p99_s": p, "alone_p99_s": b, "ratio": p / b if p and b else None,
+            "floor_p99_s": f, "floor_ratio": f / b if f and b else None,
             "slowest": loaded.slowest("interactive"), "alone_slowest": alone.slowest("interactive"),
             "tokens_per_s": loaded.tokens_per_s, "off_tokens_per_s": off.tokens_per_s,
             "throughput_ratio": loaded.tokens_per_s / off.tokens_per_s if off.tokens_per_s else None,
             "shed": loaded.shed}
 
 
-def fairness_cell(seed: int, cfg: AdmissionCfg, rate: float = 24.0, duration_s: float = 30.0) -> dict[str, Any]:
-    """Each quiet tenant's TTFT p99 with the heavy one sending 30x, against the same arrivals alone."""
-    cell = arrivals(FAIRNESS_MIX, rate, duration_s, seed)
+def fairness_cell(seed: int, cfg: AdmissionCfg, host: Host = A100) -> dict[str, Any]:
+    """Each quiet tenant's TTFT p99 with the heavy one sending 30x, against the same arrivals alone, and
+    Jain's index over the served tokens of the tenants that had a request shed (the experiment's
+    ``jain_backlogged``; with one such tenant or none, the check reads 1)."""
+    duration_s = host.fairness_s
+    cell = arrivals(FAIRNESS_MIX, host.rate, duration_s, seed)
     quiet = {"q1", "q2", "q3"}
-    loaded = run(cell, cfg, duration_s)
-    alone = run(only(cell, quiet), cfg, duration_s)
+    loaded = run(cell, cfg, duration_s, host=host)
+    alone = run(only(cell, quiet), cfg, duration_s, host=host)
+    backlogged = sorted(c for c, n in loaded.shed.items() if n)
+    jain_b = jain([loaded.served.get(c, 0) for c in backlogged]) if len(backlogged) > 1 else None
     out = {}
     for q in sorted(quiet):
         p, b, f = loaded.p99(q), alone.p99(q), floor_p99(loaded, alone, q)
@@ -240,4 +296,5 @@ def fairness_cell(seed: int, cfg: AdmissionCfg, rate: float = 24.0, duration_s: 
                   "floor_p99_s": f, "floor_ratio": f / b if f and b else None,
                   "slowest": loaded.slowest(q), "alone_slowest": alone.slowest(q)}
     return {"quiet": out, "worst_ratio": max((v["ratio"] or math.inf) for v in out.values()),
-            "worst_floor_ratio": max((v["floor_ratio"] or math.inf) for v in out.values()), "shed": loaded.shed}
+            "worst_floor_ratio": max((v["floor_ratio"] or math.inf) for v in out.values()), "shed": loaded.shed,
+            "served": loaded.served, "backlogged": backlogged, "jain_backlogged": jain_b}

@@ -129,6 +129,17 @@ class StepModel:
         return self.step_s + self.per_seq_s * len(plan.items) + self.per_token_s * t + self.per_token2_s * t * t
 
 
+def engine(model: StepModel, max_len: int, seed: int = 0, scheduling_policy: str = "fcfs") -> SimEngine:
+    """The probed server on the simulator's virtual clock: vLLM V1's scheduler (its CPU defaults) with
+    ``model``'s step times, requests of up to ``max_len`` tokens, never bound by its KV cache (not probed)."""
+    block = 16
+    spec = build_spec(model="Llama-3.1-8B", profile="cpu", overrides={
+        "max_num_seqs": MAX_SEQS, "max_num_batched_tokens": BUDGET_TOKENS, "max_model_len": max_len,
+        "block_size": block, "enable_prefix_caching": False, "scheduling_policy": scheduling_policy,
+        "num_gpu_blocks_override": (MAX_SEQS + 1) * math.ceil(max_len / block)})
+    return SimEngine(spec, seed=seed, timer=model, request_overhead_s=model.front_end_s)
+
+
 def simulate(p: Probe, lam: float, slo_s: tuple[float, float, float], requests: int = REQUESTS, seed: int = 0,
              model: StepModel | None = None) -> dict[str, float]:
     """The probe's server at ``lam`` requests/s (Poisson, the probe's prompt and output lengths) on the
@@ -136,12 +147,7 @@ def simulate(p: Probe, lam: float, slo_s: tuple[float, float, float], requests: 
     and the 95th percentiles, the first ``WARM`` requests not judged."""
     m = model or StepModel.fit(p)
     n_in, n_out = max(1, p.prompt_tokens), max(2, p.output_tokens)
-    block = 16
-    spec = build_spec(model="Llama-3.1-8B", profile="cpu", overrides={
-        "max_num_seqs": MAX_SEQS, "max_num_batched_tokens": BUDGET_TOKENS, "max_model_len": n_in + n_out,
-        "block_size": block, "enable_prefix_caching": False,
-        "num_gpu_blocks_override": (MAX_SEQS + 1) * math.ceil((n_in + n_out) / block)})  # (never KV-bound: not probed)
-    eng = SimEngine(spec, seed=seed, timer=m, request_overhead_s=m.front_end_s)
+    eng = engine(m, n_in + n_out, seed=seed)
     rng, t, reqs = random.Random(seed), 0.0, []
     for i in range(requests):
         t += rng.expovariate(lam)
