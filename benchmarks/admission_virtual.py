@@ -15,6 +15,7 @@ that met the SLO (10-13 req/s).
     python benchmarks/admission_virtual.py                          # the shipped defaults
     python benchmarks/admission_virtual.py --rule tail:0.75 --rule tail:0.9 --rule mean:0.7
     python benchmarks/admission_virtual.py --classes --seeds 1-6    # the priority and fairness cells
+    python benchmarks/admission_virtual.py --classes --probe docs/bench/admission-vllm-results-s43.json
     python benchmarks/admission_virtual.py --retry --seeds 1-6      # the burst-retry cell
     python benchmarks/admission_virtual.py --retry --gateways 3     # ... behind three round-robin gateways
     python benchmarks/admission_virtual.py --restart --seeds 1-6    # the same clients against a restarted gateway
@@ -28,6 +29,13 @@ arrivals alone, and the floor of that ratio (``admission_clock.floor_p99``: ever
 once and prefilled alone in the next step, waiting only for the API front-end and the step in progress,
 cut to one prompt's prefill, on the same run's steps): where the floor is over 1.2x, no gateway that keeps
 the engine as busy meets the target.
+
+``--classes --probe RESULTS`` runs the same two cells on the real CPU vLLM of a recorded ``usefulwork
+loadtest --experiment admission-vllm`` run instead (``admission_clock.probed_host``: the step times fitted
+to that run's probe, each ``1 + speed_margin`` as long (``--margin`` to change it: a run's cells ran
+10-15% slower than its probe, a busy host more), and the ``admission-vllm`` experiment's SLO and cells
+at that run's rate scale): what its gateway could have done there, and the floor, with the host's own
+step times. ``docs/bench/admission-vllm-results-*.json`` carry the calibrations of the recorded runs.
 
 ``--retry`` runs the experiment's ``burst-retry`` cell on the same clock, per seed: the capacity-13 cell's
 40 s at 13 req/s from clients that never retry (as the wall-clock experiment warms the gateway), 20 s at

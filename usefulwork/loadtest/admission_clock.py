@@ -119,6 +119,7 @@ class Result:
     # scheduled -> first token); their sum is its TTFT less the API front-end's delay
     parts: dict[str, list[tuple[float, float, float]]] = field(default_factory=dict)
     served: dict[str, int] = field(default_factory=dict)
+    late: dict[str, int] = field(default_factory=dict)  # client -> of the served, those over the SLO (TTFT, TPOT or E2E)
     shed: dict[str, int] = field(default_factory=dict)
     tokens_per_s: float = 0.0  # output tokens the engine generated per second, from 5 s into the cell to its end
     arrived: dict[str, list[float]] = field(default_factory=dict)  # client -> when each measured request arrived
@@ -207,6 +208,11 @@ def run(cell: list[tuple[float, Client]], admission: AdmissionCfg | None, durati
                     del of[r]
                     if measured:
                         res.served[client.name] = res.served.get(client.name, 0) + 1
+                        n = r.num_output_tokens
+                        tpot = (r.finish_time - r.first_token_time) / (n - 1) if n > 1 else 0.0
+                        if (r.first_token_time - tk.arrival > host.slo[0] or tpot > host.slo[1]
+                                or r.finish_time - tk.arrival > host.slo[2]):
+                            res.late[client.name] = res.late.get(client.name, 0) + 1
                     if q is not None:
                         n = r.num_output_tokens
                         s = Sample(ttft=r.first_token_time - tk.admitted_at,
@@ -297,4 +303,4 @@ def fairness_cell(seed: int, cfg: AdmissionCfg, host: Host = A100) -> dict[str, 
                   "slowest": loaded.slowest(q), "alone_slowest": alone.slowest(q)}
     return {"quiet": out, "worst_ratio": max((v["ratio"] or math.inf) for v in out.values()),
             "worst_floor_ratio": max((v["floor_ratio"] or math.inf) for v in out.values()), "shed": loaded.shed,
-            "served": loaded.served, "backlogged": backlogged, "jain_backlogged": jain_b}
+            "served": loaded.served, "late": loaded.late, "backlogged": backlogged, "jain_backlogged": jain_b}

@@ -292,20 +292,56 @@ class PoolQueue:
                 headroom = state * h
         if cls == 0:
             free = slo - headroom - self.inflight_cls[0]
-            return free if state != -1 else free + self._left_to_drain(tenant, slo, slo - h, self.inflight_top)
+            return free if state != -1 else free + self._left_to_drain(tenant, slo, slo, slo - h, self.inflight_top)
         reserve = max(1, math.ceil(slo * self.reserve_fraction)) if self.reserve_fraction else 0
         free = max(1, fill - reserve - headroom) - self.inflight
-        return free if state != -1 else free + self._left_to_drain(tenant, slo, max(1, fill - reserve - h), self.inflight_tenant)
+        return free if state != -1 else free + self._left_to_drain(
+            tenant, slo, max(1, fill - reserve), max(1, fill - reserve - h), self.inflight_tenant)
 
-    def _left_to_drain(self, tenant: str | None, slo: int, allowed: int, counts: dict[str, int]) -> int:
-        """The work of tenants over their share beyond what they may hold now (``allowed``, the limit less
-        the headroom): what a limit just cut leaves them to drain. A tenant under its share does not wait
-        for it. (On the real CPU vLLM a live cut took the SLO limit from 26.1 to 20.7 with 23 in flight, and
+    def _left_to_drain(self, tenant: str | None, slo: int, limit: int, allowed: int, counts: dict[str, int]) -> int:
+        """The work (``counts``: in flight per tenant) of tenants over their share beyond what they may
+        hold now: what a limit just cut, or other tenants' demand, leaves them to drain. A tenant under its
+        share does not wait for it. What they may hold is the more of ``allowed`` (``limit`` less the
+        headroom) and their max-min shares of ``limit`` given what every tenant asks for now
+        (``maxmin_shares``, ``tenant`` asking one more). (On the real CPU vLLM a live cut took the SLO limit from 26.1 to 20.7 with 23 in flight, and
         a quiet tenant's request queued 0.75 s in the gateway while the heavy tenant's work drained: 4.8x
-        its first token alone; docs/benchmarks.md section 7, session 35.) Once the heavy tenant is back
-        within its bound this is 0, and the headroom beyond the limit is what bounds the quiet tenants."""
-        over = sum(n for u, n in counts.items() if u != tenant and self.share_state(u, slo) == 1)
-        return max(0, over - allowed)
+        its first token alone; docs/benchmarks.md section 7, session 35. In a small pool, the limit of 7 a
+        slow CPU vLLM holds among four tenants, the heavy one held 6 while a quiet one held 2 and asked
+        for a third: within the limit less the headroom, so the quiet request waited for the heavy
+        tenant's answers to end, where its max-min share was 3 and the heavy one's 4.) Once the heavy
+        tenant is back within its bound this is 0, and the headroom beyond the limit is what bounds the
+        quiet tenants."""
+        over = [(u, n) for u, n in counts.items() if u != tenant and self.share_state(u, slo) == 1]
+        if not over:
+            return 0
+        shares = self.maxmin_shares(tenant, limit, counts)
+        by_share = sum(max(0, n - math.floor(shares.get(u, 0.0))) for u, n in over)
+        return max(0, sum(n for _, n in over) - allowed, by_share)
+
+    def maxmin_shares(self, asking: str | None, limit: int, counts: dict[str, int]) -> dict[str, float]:
+        """Weighted max-min shares of ``limit`` places among the tenants with work in the pool or queued
+        (their demand: ``counts`` in flight plus queued, ``asking`` one more): each gets its demand where
+        that is under the common level, the rest the level times its weight (water-filling)."""
+        demand = dict(counts)
+        for cls_q in self.queues:
+            for u, q in cls_q.items():
+                demand[u] = demand.get(u, 0) + len(q)
+        if asking is not None:
+            demand[asking] = demand.get(asking, 0) + 1
+        order = sorted(((n / self.weight_of(u), u, n) for u, n in demand.items() if n > 0))
+        left, weights = float(limit), sum(self.weight_of(u) for _, u, _ in order)
+        shares: dict[str, float] = {}
+        for i, (per_weight, u, n) in enumerate(order):
+            if per_weight * weights <= left:
+                shares[u] = float(n)
+                left -= n
+                weights -= self.weight_of(u)
+                continue
+            level = left / weights
+            for _, v, _ in order[i:]:
+                shares[v] = level * self.weight_of(v)
+            break
+        return shares
 
     def over_share(self, tenant: str, slo: int) -> bool:
         """``tenant`` holds at least its weighted share of the SLO limit among the tenants active in the
@@ -339,15 +375,27 @@ class PoolQueue:
     def ahead_of(self, t: Ticket, own: int | None = None) -> int:
         """Tickets dispatched before ``t`` would be if it queued now (or, already queued, with ``own``
         of its tenant's tickets before it): higher classes, then a round-robin share of its own class
-        (the VTC order for tenants of equal weight)."""
+        (the VTC order for tenants of equal weight).
+
+        With tenant headroom, a tenant under its fair share is not behind the queued work of tenants
+        over theirs: those wait for a place within the limit less the headroom (``slot_free``), and when
+        one frees, the tenant under its share may take it too and goes first (``_pop_next``: the
+        least-served tenant). Counted ahead, that work made a quiet tenant's request with a place free
+        look as if it waited for the heavy tenant's next answer to end, and it was shed where queueing
+        it would have admitted it at once (the real CPU vLLM's replica on the virtual clock, a limit of
+        6-7: 7 of 9 quiet requests shed in the fairness cell's seeds 3-5)."""
         n = sum(sum(len(q) for q in self.queues[c].values()) for c in range(t.cls))
         if own is None:
             mine = self.queues[t.cls].get(t.tenant)
             own = (len(mine) if t.since is None else _asked_before(mine, t.since)) if mine else 0
         n += own
-        for tenant, q in self.queues[t.cls].items():
-            if tenant != t.tenant:
-                n += min(len(q), own + 1)
+        others = [(u, q) for u, q in self.queues[t.cls].items() if u != t.tenant]
+        if others and self.tenant_headroom:
+            slo = self.capacity.current()
+            if self.share_state(t.tenant, slo) == -1:
+                others = [(u, q) for u, q in others if self.share_state(u, slo) != 1]
+        for _, q in others:
+            n += min(len(q), own + 1)
         return n
 
     def predict_wait(self, t: Ticket, now: float, reserved: int = 0, own: int | None = None) -> float | None:
