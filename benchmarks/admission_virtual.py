@@ -37,6 +37,11 @@ to that run's probe, each ``1 + speed_margin`` as long (``--margin`` to change i
 at that run's rate scale): what its gateway could have done there, and the floor, with the host's own
 step times. ``docs/bench/admission-vllm-results-*.json`` carry the calibrations of the recorded runs.
 
+``--retry --probe RESULTS`` runs the ``admission-vllm`` experiment's ``burst-retry`` cell on that replica
+(``probed_retry_cell``), after the capacity-0.6 and burst cells admission on runs before it, with the
+loadtest client's timeout (30 s from the first send; a Retry-After that would outlast it is not waited
+for): first retries admitted, and the timeouts.
+
 ``--retry`` runs the experiment's ``burst-retry`` cell on the same clock, per seed: the capacity-13 cell's
 40 s at 13 req/s from clients that never retry (as the wall-clock experiment warms the gateway), 20 s at
 2 req/s, then the burst's first period (25 req/s for 9 s, 2 req/s after) from another tenant's clients,
@@ -68,7 +73,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import numpy as np  # noqa: E402
+
 import usefulwork.loadtest.autoscale as autoscale  # noqa: E402
+from usefulwork.loadtest import arrivals as arrivals_mod  # noqa: E402
+from usefulwork.loadtest import calibrate  # noqa: E402
+from usefulwork.loadtest.experiment import load_experiment  # noqa: E402
+from usefulwork.loadtest.metrics import SLOSpec  # noqa: E402
 from usefulwork.gateway.admission import capacity as capacity_mod  # noqa: E402
 from usefulwork.gateway.admission.config import AdmissionCfg  # noqa: E402
 from usefulwork.loadtest import admission_clock  # noqa: E402
@@ -264,6 +275,61 @@ def retry_cell(seed: int, gateways: int = 1) -> dict[str, Any]:
     return _retrying_figures([r for r in sim.requests if r.t0 >= RETRY_WARM_S], autoscale.SLO)
 
 
+class ProbedSim(GatewaysSim):
+    """``GatewaysSim`` whose replica is a recorded real CPU vLLM's (``admission_clock.probed_host``)."""
+
+    def __init__(self, *args: Any, step_model: calibrate.StepModel, **kw: Any):
+        self.step_model = step_model  # (before the fleet is built)
+        super().__init__(*args, **kw)
+
+    def _add_replica(self, ready_at: float) -> None:
+        eng = calibrate.engine(self.step_model, self.day.prompt_tokens + self.day.output_tokens, seed=self._next_id)
+        self.replicas.append(autoscale.Replica(self._next_id, eng, self.now, ready_at))
+        self._next_id += 1
+
+
+@dataclass(frozen=True)
+class Planned(autoscale.Day):
+    times: tuple[float, ...] = ()
+
+    def arrivals(self) -> np.ndarray:
+        return np.array(self.times)
+
+
+PROBED_RETRY_CELLS = ("capacity-0.6", "burst", "burst-retry")  # admission-on's cells up to the retry cell
+
+
+def probed_retry_cell(seed: int, results: dict[str, Any], gateways: int = 1, margin: float | None = None) -> dict[str, Any]:
+    """The ``admission-vllm`` experiment's ``burst-retry`` cell on a recorded real run's CPU vLLM replica
+    (``admission_clock.probed_host``), after the cells admission on runs before it (its capacity-0.6 and
+    burst cells, each followed by its drain), at the run's rate scale: arrivals drawn as the loadtest
+    draws them (``arrivals.from_spec``), the clients' timeout counted from the first send and a
+    Retry-After that would outlast it not waited for, as the loadtest client does."""
+    host = admission_clock.probed_host(results, margin=margin)
+    exp = load_experiment("admission-vllm")
+    exp.scale_rates(results["calibration"]["rate_scale"])
+    shape, rng = exp.shapes[0], np.random.default_rng(seed)
+    times, t0, retry_t0, timeout = [], 0.0, 0.0, 30.0
+    for name in PROBED_RETRY_CELLS:
+        case = exp.case_for(shape, name)
+        retry_t0, timeout = t0, case.timeout_s
+        times += [t0 + o for o in arrivals_mod.planned_offsets(arrivals_mod.from_spec(case.arrival), rng,
+                                                                duration_s=case.duration_s)]
+        t0 += case.duration_s + (case.drain_s or 0.0)
+    day = Planned(day_s=t0, base_rate=1.0, peak_rate=1.0, seed=seed, times=tuple(times))
+    slo = SLOSpec(ttft_ms=host.slo[0] * 1e3, tpot_ms=host.slo[1] * 1e3, e2e_ms=host.slo[2] * 1e3, attainment=0.95)
+    client = autoscale.Client(timeout_s=timeout, max_retries=3, max_retry_after_s=math.inf, from_first_send=True)
+    sim = ProbedSim(autoscale.Policy("one", "one replica", fixed=1, admission=True), day, autoscale.Fleet(), client, slo,
+                    gateways=gateways, step_model=host.step_model)
+    sim.clients = lambda t: ("default", 0) if t < retry_t0 else ("retrying", None)
+    sim.run()
+    reqs = [r for r in sim.requests if r.t0 >= retry_t0]
+    out = _retrying_figures(reqs, slo)
+    out["timeouts"] = sum(1 for r in reqs if r.outcome == "timeout")
+    out["admitted_then_timed_out"] = sum(1 for r in reqs if r.first_retry == "admitted" and r.outcome == "timeout")
+    return out
+
+
 def _retrying_figures(reqs: list[Any], slo: Any) -> dict[str, Any]:
     """The retrying clients' requests: sent, served, first retries and how many were admitted, and the SLO
     attainment of the served, each attempt timed from its own send."""
@@ -275,14 +341,19 @@ def _retrying_figures(reqs: list[Any], slo: Any) -> dict[str, Any]:
             "attainment_served": ok / len(served) if served else None}
 
 
-def retries(seeds: list[int], gateways: int = 1) -> dict[str, Any]:
-    data = {seed: retry_cell(seed, gateways) for seed in seeds}
-    print(f"{gateways} gateway process(es), each attempt to the next:")
-    print("| seed | sent | served | first retries | admitted on the first retry | attainment of served (per attempt) |")
-    print("|---|---|---|---|---|---|")
+def retries(seeds: list[int], gateways: int = 1, probe: dict[str, Any] | None = None,
+            margin: float | None = None) -> dict[str, Any]:
+    if probe is None:
+        data = {seed: retry_cell(seed, gateways) for seed in seeds}
+    else:
+        data = {seed: probed_retry_cell(seed, probe, gateways, margin) for seed in seeds}
+    print(f"{gateways} gateway process(es), each attempt to the next" + (" (a recorded real CPU vLLM's replica):" if probe else ":"))
+    print("| seed | sent | served | first retries | admitted on the first retry | attainment of served (per attempt) | timeouts |")
+    print("|---|---|---|---|---|---|---|")
     for seed, r in data.items():
+        att = "-" if r["attainment_served"] is None else f"{r['attainment_served']:.1%}"
         print(f"| {seed} | {r['sent']} | {r['served']} | {r['first_retries']} | {r['admitted_on_first_retry']} "
-              f"({r['admitted_on_first_retry'] / max(1, r['first_retries']):.1%}) | {r['attainment_served']:.1%} |")
+              f"({r['admitted_on_first_retry'] / max(1, r['first_retries']):.1%}) | {att} | {r.get('timeouts', '-')} |")
     n = sum(r["first_retries"] for r in data.values())
     a = sum(r["admitted_on_first_retry"] for r in data.values())
     print(f"all seeds: {a} of {n} first retries admitted ({a / max(1, n):.1%})")
@@ -402,7 +473,7 @@ def main() -> int:
                     help="the burst-retry clients against a gateway restarted beside a full fleet (cold hold: SLO vs replicas' figure)")
     ap.add_argument("--seeds", default="1-6", help="with --classes or --retry: seeds, e.g. 1-6")
     ap.add_argument("--probe", type=Path, default=None,
-                    help="with --classes: the real CPU vLLM of a recorded admission-vllm run (its results.json: the step "
+                    help="with --classes or --retry: the real CPU vLLM of a recorded admission-vllm run (its results.json: the step "
                          "times fitted to its probe, its rate scale) instead of the simulated A100")
     ap.add_argument("--margin", type=float, default=None,
                     help="with --probe: every step this much longer than probed (default: the run's speed_margin)")
@@ -415,7 +486,8 @@ def main() -> int:
             args.json.write_text(json.dumps(data, indent=1))
         return 0
     if args.retry:
-        data = retries(_seeds(args.seeds), args.gateways)
+        probe = json.loads(args.probe.read_text()) if args.probe else None
+        data = retries(_seeds(args.seeds), args.gateways, probe, args.margin)
         if args.json:
             args.json.write_text(json.dumps(data, indent=1))
         return 0

@@ -171,6 +171,54 @@ def test_first_retries_are_admitted_behind_gateways_that_do_not_share_their_held
     assert all(c["attainment_served"] >= 0.95 for c in cells)
 
 
+def test_the_burst_retry_cell_on_a_recorded_cpu_vllm_keeps_the_loadtest_clients_timeout():
+    """benchmarks/admission_virtual.py --retry --probe: the admission-vllm experiment's capacity-0.6, burst
+    and burst-retry cells on a recorded real run's CPU vLLM replica, at its scale. The loadtest client's
+    30 s count from the first send: no attempt ends later, and a Retry-After that would outlast them is
+    not waited for (the request times out unsent, as the client's sleep does); every retrying request
+    ends served, timed out or shed; the gateway learns the answers' length from each answer's completion
+    tokens, as the filter does from vLLM's usage, so a live cut judged at a full pool's turnover is
+    rescaled (without them every live cut went in proportion, to 5.9 per replica in seed 1)."""
+    from benchmarks import admission_virtual as av
+    from tests.loadtest.test_admission_clock import S43
+    from usefulwork.gateway.admission import queue as queue_mod
+
+    told: list[tuple[float, float, float]] = []  # (t0, shed at, Retry-After) of the retrying tenant's first sheds
+    offer = queue_mod.PoolQueue.offer
+
+    def spy(self, t, now):  # noqa: ANN001, ANN202
+        d = offer(self, t, now)
+        if t.tenant == "retrying" and d.kind == "shed" and t.retried == 0:
+            told.append((t.arrival, now, d.retry_after_s))
+        return d
+
+    queue_mod.PoolQueue.offer = spy
+    caps: list = []
+    add = av.ProbedSim._add_replica
+
+    def keep(self, ready_at):  # noqa: ANN001, ANN202
+        add(self, ready_at)
+        caps.append(self)
+
+    av.ProbedSim._add_replica = keep
+    try:
+        cell = av.probed_retry_cell(1, S43)
+    finally:
+        queue_mod.PoolQueue.offer = offer
+        av.ProbedSim._add_replica = add
+    sim = caps[0]
+    reqs = [r for r in sim.requests if r.tenant == "retrying"]
+    assert len(reqs) == cell["sent"] > 20 and cell["first_retries"] > 5 and cell["timeouts"] > 0
+    assert all(r.outcome in ("ok", "timeout", "shed") for r in reqs)
+    assert all(r.e2e <= 30.0 + 1e-9 for r in reqs if r.outcome == "ok")  # (counted from the first send)
+    for t0, at, ra in told:
+        (r,) = [r for r in reqs if abs(r.t0 - t0) < 1e-9]
+        if at + ra >= t0 + 30.0:
+            assert r.attempts == 1 and r.outcome == "timeout"
+    assert sim.queue.capacity.out_mean == 128.0
+    assert cell["admitted_on_first_retry"] <= cell["first_retries"]
+
+
 def test_a_gateway_restarted_beside_a_full_replica_prices_its_slots_at_what_requests_take_now():
     """benchmarks/admission_virtual.py --restart: a gateway replaced by a cold one while the replica is full
     and a burst of retrying clients arrives. The cold gateway has timed no request of its own. It prices a

@@ -218,7 +218,7 @@ def run(cell: list[tuple[float, Client]], admission: AdmissionCfg | None, durati
                         s = Sample(ttft=r.first_token_time - tk.admitted_at,
                                    tpot=(r.finish_time - r.first_token_time) / (n - 1) if n > 1 else None,
                                    service=now - tk.admitted_at, tokens=PROMPT + n, ok=True,
-                                   inflight_at_admit=tk.inflight_at_admit, cls=tk.cls)
+                                   inflight_at_admit=tk.inflight_at_admit, cls=tk.cls, completion=n)
                         woken += q.release(tk, now, s, PROMPT + n)
         for tk in woken:
             if tk.state == "admitted":

@@ -124,6 +124,7 @@ class Client:
     timeout_s: float = 60.0
     max_retries: int = 2  # the OpenAI SDK's default; 429s are retried after their Retry-After
     max_retry_after_s: float = 60.0  # the SDK honours a Retry-After up to this; longer: it gives up here
+    from_first_send: bool = False  # ``timeout_s`` counts from the first send, retries' waits included (the loadtest client's)
 
 
 @dataclass(frozen=True)
@@ -330,7 +331,10 @@ class Simulation:
             req.first_retry = "shed"
         retries = self.client.max_retries if req.max_retries is None else req.max_retries
         if req.attempts <= retries and retry_after_s <= self.client.max_retry_after_s:
-            self._push_send(self.now + retry_after_s, req)
+            if self.client.from_first_send and self.now + retry_after_s >= req.t0 + self.client.timeout_s:
+                self._end(req, "timeout")  # its client sleeps out the Retry-After past its own timeout
+            else:
+                self._push_send(self.now + retry_after_s, req)
         else:
             self._end(req, "shed")
 
@@ -348,7 +352,8 @@ class Simulation:
                                          ignore_eos=True, arrival_time=self.now)
         self.by_sim[id(req.sim)] = req
         self._seq += 1
-        heapq.heappush(self.timeouts, (req.sent + self.client.timeout_s, self._seq, req, req.attempts))
+        start = req.t0 if self.client.from_first_send else req.sent
+        heapq.heappush(self.timeouts, (start + self.client.timeout_s, self._seq, req, req.attempts))
         if rep.plan is None:
             rep.plan_end = min(rep.plan_end, rep.engine.next_ready_time() or self.now)
 
@@ -365,7 +370,8 @@ class Simulation:
             n = sim.num_output_tokens
             tpot = (sim.finish_time - sim.first_token_time) / (n - 1) if ok and n > 1 else None
             sample = Sample(ttft=ttft, tpot=tpot, service=self.now - t.admitted_at,
-                            tokens=sim.num_prompt_tokens + n, ok=ok, inflight_at_admit=t.inflight_at_admit)
+                            tokens=sim.num_prompt_tokens + n, ok=ok, inflight_at_admit=t.inflight_at_admit,
+                            completion=n)  # (as the filter passes vLLM's usage count)
             for nxt in self.queue.release(t, self.now, sample, sim.num_prompt_tokens + n):
                 self._dispatch(nxt.waiter)
         req.sim = req.replica = None
