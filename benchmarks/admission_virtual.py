@@ -78,7 +78,6 @@ import numpy as np  # noqa: E402
 import usefulwork.loadtest.autoscale as autoscale  # noqa: E402
 from usefulwork.loadtest import arrivals as arrivals_mod  # noqa: E402
 from usefulwork.loadtest import calibrate  # noqa: E402
-from usefulwork.loadtest.experiment import load_experiment  # noqa: E402
 from usefulwork.loadtest.metrics import SLOSpec  # noqa: E402
 from usefulwork.gateway.admission import capacity as capacity_mod  # noqa: E402
 from usefulwork.gateway.admission.config import AdmissionCfg  # noqa: E402
@@ -306,9 +305,8 @@ def probed_retry_cell(seed: int, results: dict[str, Any], gateways: int = 1, mar
     draws them (``arrivals.from_spec``), the clients' timeout counted from the first send and a
     Retry-After that would outlast it not waited for, as the loadtest client does."""
     host = admission_clock.probed_host(results, margin=margin)
-    exp = load_experiment("admission-vllm")
-    exp.scale_rates(results["calibration"]["rate_scale"])
-    shape, rng = exp.shapes[0], np.random.default_rng(seed)
+    exp, shape = admission_clock.probed_experiment(results)
+    rng = np.random.default_rng(seed)
     times, t0, retry_t0, timeout = [], 0.0, 0.0, 30.0
     for name in PROBED_RETRY_CELLS:
         case = exp.case_for(shape, name)

@@ -32,7 +32,7 @@ from usefulwork.gateway.admission.queue import PoolQueue, Ticket
 from usefulwork.loadtest import calibrate
 from usefulwork.loadtest.admission import jain
 from usefulwork.loadtest.calibrate import StepModel
-from usefulwork.loadtest.experiment import load_experiment
+from usefulwork.loadtest.experiment import Experiment, load_experiment
 
 SLO = (2.0, 0.1, 5.0)  # TTFT, TPOT, E2E seconds: the experiment's
 PROMPT, OUTPUT = 512, 128
@@ -62,6 +62,13 @@ class Host:
 A100 = Host()
 
 
+def probed_experiment(results: dict[str, Any]) -> tuple[Experiment, dict[str, Any]]:
+    """The ``admission-vllm`` experiment at a recorded run's rate scale, and its (one) shape."""
+    exp = load_experiment("admission-vllm")
+    exp.scale_rates(results["calibration"]["rate_scale"])
+    return exp, exp.shapes[0]
+
+
 def probed_host(results: dict[str, Any], name: str = "probed", margin: float | None = None) -> Host:
     """The real CPU vLLM of a recorded ``admission-vllm`` run on the virtual clock: the step times fitted
     to that run's probe (its results.json ``calibration``) and the experiment's cells at that run's scale
@@ -73,9 +80,7 @@ def probed_host(results: dict[str, Any], name: str = "probed", margin: float | N
     margin = cal.get("speed_margin", 0.0) if margin is None else margin
     # (runs before the step model was recorded carry the probe it is fitted to)
     model = StepModel(**cal["step_model"]) if cal.get("step_model") else StepModel.fit(calibrate.Probe(**cal["probe"]))
-    exp = load_experiment("admission-vllm")
-    exp.scale_rates(cal["rate_scale"])
-    shape = exp.shapes[0]
+    exp, shape = probed_experiment(results)
     prio, fair, warm = (exp.case_for(shape, c) for c in ("priority-2x", "fairness-4", "capacity-0.6"))
     if prio.arrival["rate"] != fair.arrival["rate"]:
         raise ValueError("admission-vllm: the priority and fairness cells are expected at one rate")
@@ -206,17 +211,15 @@ def run(cell: list[tuple[float, Client]], admission: AdmissionCfg | None, durati
                         woken += q.first_token(tk, now)
                 if r.finish_time is not None:
                     del of[r]
+                    n = r.num_output_tokens
+                    tpot = (r.finish_time - r.first_token_time) / (n - 1) if n > 1 else None
                     if measured:
                         res.served[client.name] = res.served.get(client.name, 0) + 1
-                        n = r.num_output_tokens
-                        tpot = (r.finish_time - r.first_token_time) / (n - 1) if n > 1 else 0.0
-                        if (r.first_token_time - tk.arrival > host.slo[0] or tpot > host.slo[1]
+                        if (r.first_token_time - tk.arrival > host.slo[0] or (tpot or 0.0) > host.slo[1]
                                 or r.finish_time - tk.arrival > host.slo[2]):
                             res.late[client.name] = res.late.get(client.name, 0) + 1
                     if q is not None:
-                        n = r.num_output_tokens
-                        s = Sample(ttft=r.first_token_time - tk.admitted_at,
-                                   tpot=(r.finish_time - r.first_token_time) / (n - 1) if n > 1 else None,
+                        s = Sample(ttft=r.first_token_time - tk.admitted_at, tpot=tpot,
                                    service=now - tk.admitted_at, tokens=PROMPT + n, ok=True,
                                    inflight_at_admit=tk.inflight_at_admit, cls=tk.cls, completion=n)
                         woken += q.release(tk, now, s, PROMPT + n)

@@ -303,9 +303,10 @@ class PoolQueue:
         hold now: what a limit just cut, or other tenants' demand, leaves them to drain. A tenant under its
         share does not wait for it. What they may hold is the more of ``allowed`` (``limit`` less the
         headroom) and their max-min shares of ``limit`` given what every tenant asks for now
-        (``maxmin_shares``, ``tenant`` asking one more). (On the real CPU vLLM a live cut took the SLO limit from 26.1 to 20.7 with 23 in flight, and
-        a quiet tenant's request queued 0.75 s in the gateway while the heavy tenant's work drained: 4.8x
-        its first token alone; docs/benchmarks.md section 7, session 35. In a small pool, the limit of 7 a
+        (``maxmin_shares``, ``tenant`` asking one more). (On the real CPU vLLM a live cut took the SLO
+        limit from 26.1 to 20.7 with 23 in flight, and a quiet tenant's request queued 0.75 s in the
+        gateway while the heavy tenant's work drained: 4.8x its first token alone; docs/benchmarks.md
+        section 7, session 35. In a small pool, the limit of 7 a
         slow CPU vLLM holds among four tenants, the heavy one held 6 while a quiet one held 2 and asked
         for a third: within the limit less the headroom, so the quiet request waited for the heavy
         tenant's answers to end, where its max-min share was 3 and the heavy one's 4.) Once the heavy
