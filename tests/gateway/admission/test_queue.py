@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import heapq
 import logging
+import random
+from collections import deque
 from collections.abc import Callable
 
 import pytest
@@ -248,6 +250,34 @@ def test_a_quiet_tenant_under_its_share_counts_the_heavy_tenants_work_beyond_its
     assert q.maxmin_shares("q2", 7, q.inflight_tenant) == {"q2": 3.5, "heavy": 3.5}  # (asking a 4th)
     # its 4th is beyond its max-min share of 3.5 (the heavy tenant's 6 are within 7 less the headroom)
     assert q.offer(ticket(2.1, "q2"), 2.1).kind == "shed"
+
+
+def test_max_min_shares_are_water_filled_by_weight():
+    """``maxmin_shares`` on random demands (in flight and queued) and weights: every tenant with demand
+    gets at most its demand; the shares add up to the limit, or to the whole demand where that fits; and
+    a tenant that gets less than its demand is at the common level (share per weight), which no tenant
+    with its whole demand exceeds."""
+    rng = random.Random(7)
+    for _ in range(300):
+        q = make_queue(limit=64)
+        weights = {f"t{i}": rng.choice([0.5, 1.0, 2.0, 3.0]) for i in range(rng.randint(1, 12))}
+        q.weight_of = lambda u: weights.get(u, 1.0)
+        counts = {u: rng.randint(0, 30) for u in weights}
+        for u in weights:
+            for _ in range(rng.choice([0, 0, 1, 4])):
+                q.queues[0].setdefault(u, deque()).append(ticket(0.0, u))
+        asking = rng.choice([None, *weights])
+        limit = rng.randint(1, 80)
+        demand = {u: counts[u] + len(q.queues[0].get(u, ())) + (u == asking) for u in weights}
+        shares = q.maxmin_shares(asking, limit, counts)
+        assert set(shares) == {u for u, d in demand.items() if d > 0}
+        assert all(shares[u] <= demand[u] + 1e-9 for u in shares)
+        assert abs(sum(shares.values()) - min(limit, sum(demand.values()))) < 1e-6
+        capped = [shares[u] / weights[u] for u in shares if shares[u] < demand[u] - 1e-9]
+        if capped:
+            level = max(capped)
+            assert all(abs(x - level) < 1e-6 for x in capped)
+            assert all(demand[u] / weights[u] <= level + 1e-6 for u in shares if shares[u] >= demand[u] - 1e-9)
 
 
 def test_vllm_priority_puts_tenants_under_their_share_first_within_a_class():
@@ -1550,7 +1580,6 @@ def test_interactive_answers_near_the_e2e_target_cut_the_fill_limit_not_the_slo_
 
 def test_the_tail_window_gives_the_kth_largest_of_the_last_values_as_a_full_sort_would():
     import heapq
-    import random
 
     from usefulwork.gateway.admission.capacity import Window
 
