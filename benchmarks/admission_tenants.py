@@ -24,8 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-if "usefulwork" not in sys.modules:  # (PYTHONPATH may name another checkout: it comes first)
-    sys.path.append(str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # (after PYTHONPATH: it may name another checkout)
 
 from usefulwork.gateway.admission.capacity import Capacity  # noqa: E402
 from usefulwork.gateway.admission.config import AdmissionCfg  # noqa: E402

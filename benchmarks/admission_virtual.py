@@ -78,7 +78,6 @@ import numpy as np  # noqa: E402
 import usefulwork.loadtest.autoscale as autoscale  # noqa: E402
 from usefulwork.loadtest import arrivals as arrivals_mod  # noqa: E402
 from usefulwork.loadtest import calibrate  # noqa: E402
-from usefulwork.loadtest.metrics import SLOSpec  # noqa: E402
 from usefulwork.gateway.admission import capacity as capacity_mod  # noqa: E402
 from usefulwork.gateway.admission.config import AdmissionCfg  # noqa: E402
 from usefulwork.loadtest import admission_clock  # noqa: E402
@@ -315,7 +314,7 @@ def probed_retry_cell(seed: int, results: dict[str, Any], gateways: int = 1, mar
                                                                 duration_s=case.duration_s)]
         t0 += case.duration_s + (case.drain_s or 0.0)
     day = Planned(day_s=t0, base_rate=1.0, peak_rate=1.0, seed=seed, times=tuple(times))
-    slo = SLOSpec(ttft_ms=host.slo[0] * 1e3, tpot_ms=host.slo[1] * 1e3, e2e_ms=host.slo[2] * 1e3, attainment=0.95)
+    slo = exp.slo  # (the SLO ``host`` carries in seconds)
     client = autoscale.Client(timeout_s=timeout, max_retries=3, max_retry_after_s=math.inf, from_first_send=True)
     sim = ProbedSim(autoscale.Policy("one", "one replica", fixed=1, admission=True), day, autoscale.Fleet(), client, slo,
                     gateways=gateways, step_model=host.step_model)

@@ -306,12 +306,11 @@ class PoolQueue:
         (``maxmin_shares``, ``tenant`` asking one more). (On the real CPU vLLM a live cut took the SLO
         limit from 26.1 to 20.7 with 23 in flight, and a quiet tenant's request queued 0.75 s in the
         gateway while the heavy tenant's work drained: 4.8x its first token alone; docs/benchmarks.md
-        section 7, session 35. In a small pool, the limit of 7 a
-        slow CPU vLLM holds among four tenants, the heavy one held 6 while a quiet one held 2 and asked
-        for a third: within the limit less the headroom, so the quiet request waited for the heavy
-        tenant's answers to end, where its max-min share was 3 and the heavy one's 4.) Once the heavy
-        tenant is back within its bound this is 0, and the headroom beyond the limit is what bounds the
-        quiet tenants."""
+        section 7, session 35. In a small pool, the limit of 7 a slow CPU vLLM holds among four tenants,
+        the heavy one held 6 while a quiet one held 2 and asked for a third: within the limit less the
+        headroom, so the quiet request waited for the heavy tenant's answers to end, where its max-min
+        share was 3 and the heavy one's 4.) Once the heavy tenant is back within its bound this is 0, and
+        the headroom beyond the limit is what bounds the quiet tenants."""
         over = [(u, n) for u, n in counts.items() if u != tenant and self.share_state(u, slo) == 1]
         if not over:
             return 0
@@ -329,18 +328,19 @@ class PoolQueue:
                 demand[u] = demand.get(u, 0) + len(q)
         if asking is not None:
             demand[asking] = demand.get(asking, 0) + 1
-        order = sorted(((n / self.weight_of(u), u, n) for u, n in demand.items() if n > 0))
-        left, weights = float(limit), sum(self.weight_of(u) for _, u, _ in order)
+        weighted = [(n, self.weight_of(u), u) for u, n in demand.items() if n > 0]
+        order = sorted((n / w, u, n, w) for n, w, u in weighted)
+        left, weights = float(limit), sum(w for _, w, _ in weighted)
         shares: dict[str, float] = {}
-        for i, (per_weight, u, n) in enumerate(order):
+        for i, (per_weight, u, n, w) in enumerate(order):
             if per_weight * weights <= left:
                 shares[u] = float(n)
                 left -= n
-                weights -= self.weight_of(u)
+                weights -= w
                 continue
             level = left / weights
-            for _, v, _ in order[i:]:
-                shares[v] = level * self.weight_of(v)
+            for _, v, _, wv in order[i:]:
+                shares[v] = level * wv
             break
         return shares
 
