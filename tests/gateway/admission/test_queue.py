@@ -1720,3 +1720,36 @@ def test_a_retry_whose_place_this_process_does_not_hold_is_not_new_demand():
     assert q.shed_demand(0.2) == 0
     first = ticket(0.2, deadline_s=0.5)  # a first attempt is new demand
     assert q.offer(first, 0.2).kind == "shed" and q.shed_demand(0.3) == 1
+
+
+
+
+def test_a_pumps_look_at_every_tenant_prices_each_as_free_does():
+    """``_may_go`` (what ``_pop_next`` asks of each tenant with work queued, priced once per share state)
+    agrees with ``free(cls, tenant) > 0`` for every tenant and class, on random pools: tenants of several
+    weights, some gone quiet, with work of every class admitted, queued, prefilling and ended, under
+    vLLM's priority scheduling (the low band gated) and first-come-first-served."""
+    rng = random.Random(11)
+    seen = set()
+    for trial in range(1200):
+        q = _priority_queue(1, priority_scheduling=trial % 2 == 0, limit=rng.randint(2, 24))
+        q.capacity.prefill_limit = float(rng.randint(1, 6))
+        weights = {f"t{i}": rng.choice([0.5, 1.0, 2.0]) for i in range(rng.randint(1, 6))}
+        q.weight_of = lambda u, weights=weights: weights[u]
+        now = 0.0
+        for u in weights:
+            now += rng.choice([0.0, 0.01, 20.0])  # (20 s: the tenants before may have gone quiet)
+            for _ in range(rng.choice([0, 1, 2, 5, 12])):
+                q.offer(ticket(now, u, cls=rng.choice([0, 0, 1, 2]), deadline_s=rng.choice([0.5, 50.0])), now)
+        for t in sorted(q.running, key=lambda t: t.arrival):
+            if rng.random() < 0.4:
+                q.first_token(t, now)
+            elif rng.random() < 0.3:
+                q.release(t, now, actual_tokens=rng.randint(100, 900))
+        for cls in range(3):
+            may_go = q._may_go(cls)
+            for u in weights:
+                assert may_go(u) == (q.free(cls, u) > 0), (cls, u)
+                seen.add((q.share_state(u, q.capacity.current()), q._others_in_pool(u), may_go(u)))
+    # under and over its share, with and without others in the pool, free and not
+    assert seen >= {(s, o, f) for s in (-1, 1) for o in (False, True) for f in (False, True)}
