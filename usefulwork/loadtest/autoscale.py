@@ -305,7 +305,9 @@ class Simulation:
             return
         t = Ticket(req.tenant, 0, float(self.day.prompt_tokens + self.day.output_tokens), self.now,
                    self.now + self.deadline_s, max_tokens=self.day.output_tokens, key=req.id + 1,
-                   retried=req.attempts - 1)  # (the OpenAI SDK numbers its attempts: x-stainless-retry-count)
+                   retried=req.attempts - 1 if self._retries(req) else None)
+        # (the OpenAI SDK numbers its attempts: x-stainless-retry-count; a client that never retries, as the
+        # loadtest's that does not honour Retry-After, does not)
         t.waiter = req
         req.ticket = t
         d = self.queue.offer(t, self.now)
@@ -326,10 +328,13 @@ class Simulation:
     def _pump(self) -> None:
         self._wake(self.queue.pump(self.now))
 
+    def _retries(self, req: Req) -> int:
+        return self.client.max_retries if req.max_retries is None else req.max_retries
+
     def _shed(self, req: Req, retry_after_s: float) -> None:
         if req.attempts == 2 and not req.first_retry:
             req.first_retry = "shed"
-        retries = self.client.max_retries if req.max_retries is None else req.max_retries
+        retries = self._retries(req)
         if req.attempts <= retries and retry_after_s <= self.client.max_retry_after_s:
             if self.client.from_first_send and self.now + retry_after_s >= req.t0 + self.client.timeout_s:
                 self._end(req, "timeout")  # its client sleeps out the Retry-After past its own timeout

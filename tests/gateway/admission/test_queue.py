@@ -996,10 +996,12 @@ def test_simulated_burst_every_admitted_request_meets_its_deadline():
 
 def _run_with_retries(q: PoolQueue, tenant: str, arrivals: list[float], retry: bool,
                       service: Callable[[int], float] | None = None,
-                      max_retries: int = 3) -> tuple[int, int, list[float]]:
+                      max_retries: int = 3, numbered: bool = False) -> tuple[int, int, list[float]]:
     """``tenant``'s clients arrive at ``arrivals``, each served for ``service(i)`` (default 0.7-1.3 s);
     with ``retry`` a shed one waits out its Retry-After and sends the same request again (up to
-    ``max_retries`` times). Returns (first retries, of them admitted, the Retry-After of each first shed)."""
+    ``max_retries`` times; ``numbered``: each attempt says its number, as the OpenAI SDKs'
+    ``x-stainless-retry-count`` does). Returns (first retries, of them admitted, the Retry-After of each
+    first shed)."""
     if service is None:
         def service(i: int) -> float:
             return 0.7 + 0.6 * ((i * 7) % 11) / 10
@@ -1016,6 +1018,7 @@ def _run_with_retries(q: PoolQueue, tenant: str, arrivals: list[float], retry: b
             key = t if t is not None else hash((tenant, seq))
             nt = ticket(now, tenant=tenant)
             nt.key = key
+            nt.retried = tries if numbered else None
             d = q.offer(nt, now)
             if tries == 0 and d.kind == "shed":
                 first_ra.append(d.retry_after_s)
@@ -1091,6 +1094,29 @@ def test_a_tenant_whose_clients_never_return_does_not_clump_another_tenants_retr
     first_retries, admitted_first, _ = _burst_with_retries(q, "back", 100.0, retry=True)
     assert first_retries > 50 and admitted_first / first_retries >= 0.9
     assert q.return_rate("gone") < 0.1 and q.return_rate("back") > 0.9
+
+
+@pytest.mark.parametrize("numbered", [False, True])
+def test_on_a_slow_pool_a_tenant_whose_clients_number_their_attempts_has_its_places_held_in_full(numbered):
+    """Where a slot is held for ~12 s, no held place ends (taken back or let go) for the whole of a burst,
+    so its first wave is priced on the prior alone. Clients that number their attempts (the OpenAI
+    SDKs) retry a 429 by default: their places count in full from the first shed, and nearly every
+    first retry finds its place. Clients that do not say are priced at half (they may never return),
+    and new requests take the places their retries were promised."""
+    q = make_queue(limit=8, service_s=12.0)
+    arrivals = [i / 2.0 for i in range(40)]  # 2 req/s for 20 s into 8 slots of 10-14 s
+
+    def service(i: int) -> float:
+        return 10.0 + 4.0 * ((i * 7) % 11) / 10
+
+    assert q.return_rate("a") == 0.5
+    first_retries, admitted_first, _ = _run_with_retries(q, "a", arrivals, retry=True, service=service,
+                                                         max_retries=2, numbered=numbered)
+    assert first_retries >= 20
+    if numbered:
+        assert q.numbered["a"] and admitted_first / first_retries >= 0.9
+    else:
+        assert not q.numbered["a"] and admitted_first / first_retries < 0.8
 
 
 def test_the_place_after_a_clients_last_retry_is_learnt_as_a_ghost():

@@ -51,6 +51,9 @@ class AdmissionCfg(BaseModel):
                                       "back at their Retry-After before any of its held places has ended (counted as one "
                                       "ended place; then it is learnt per tenant). Higher spreads a retrying tenant's "
                                       "first wave better and holds more places for a tenant whose clients never return.")
+    retry_return_prior_numbered: float = Field(1.0, ge=0, le=1, description="The same, for a tenant whose shed clients "
+                                               "number their attempts (`x-stainless-retry-count`, as the OpenAI SDKs do: "
+                                               "they retry a 429 after its Retry-After unless told not to).")
     redis_url: str | None = Field(None, description="Redis shared by all gateway processes for rate limits and budgets "
                                   "(None: per-process limits).")
     redis_prefix: str = Field("usefulwork:admission", description="Prefix of the Redis keys.")

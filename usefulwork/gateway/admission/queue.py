@@ -33,7 +33,12 @@ and its retry settings) behave alike and tenants differ: one pool-wide rate let 
 never return teach the gateway to give another tenant's returning clients one and the same
 Retry-After, so they came back together into room for one or two. A tenant not seen yet starts at
 ``return_prior`` (0.5: no evidence either way; 1.0 spread a retrying tenant's first wave best but held
-places for clients that never return: 99 more requests failed in the autoscale what-if's day).
+places for clients that never return: 99 more requests failed in the autoscale what-if's day). A tenant
+whose clients number their attempts (``Ticket.retried``: the OpenAI SDKs' ``x-stainless-retry-count``;
+they retry a 429 by default) starts at ``return_prior_numbered`` (1.0) instead: where a slot is held
+longer than a burst lasts (10-20 s on the real CPU vLLM), no held place ends before the whole first wave
+is told its Retry-After, and priced at half it was promised twice the places there were (first retries
+admitted on four recorded real runs' replicas 57-72% -> 81-98%; docs/benchmarks.md section 7, session 45).
 Within a tenant the rate is also learnt per shed count (``return_rate(tenant, sheds)``, the tenant's
 rate as its prior): an SDK retries a set number of times, so the place held after a request's last
 allowed retry is a ghost while the earlier ones are taken back. Learnt per tenant only, those ghosts
@@ -167,6 +172,8 @@ class PoolQueue:
     _placeless: Counter[tuple[str, int]] = field(default_factory=Counter)  # (tenant, shed count) -> retries with no place here
     _unclaimed: Counter[tuple[str, int]] = field(default_factory=Counter)  # the same -> places let go, not learnt yet
     return_prior: float = 0.5  # return rate of a tenant with no ended reservation yet
+    return_prior_numbered: float = 1.0  # the same, for a tenant whose clients number their attempts
+    numbered: dict[str, bool] = field(default_factory=dict)  # tenant -> its last shed request's client numbered its attempts
     return_prior_weight: float = 1.0  # how many ended reservations the prior counts as (one: the first outcomes decide)
     returns: dict[str, tuple[float, float]] = field(default_factory=dict)  # tenant -> (taken back, ended), decayed
     returns_by_count: dict[tuple[str, int], tuple[float, float]] = field(default_factory=dict)  # (tenant, shed count) -> the same
@@ -191,7 +198,8 @@ class PoolQueue:
         virtual-clock benchmarks and the what-if fleet must (``kw``: the tenants' weights, shared returns)."""
         return cls(name, capacity, reserve_fraction=cfg.reserve_fraction, tenant_headroom=cfg.tenant_headroom,
                    tenant_active_s=cfg.tenant_active_s, low_band_prefills=cfg.low_band_prefills,
-                   max_queue=cfg.max_queue, e2e_slo_s=e2e_slo_s, return_prior=cfg.retry_return_prior, **kw)
+                   max_queue=cfg.max_queue, e2e_slo_s=e2e_slo_s, return_prior=cfg.retry_return_prior,
+                   return_prior_numbered=cfg.retry_return_prior_numbered, **kw)
 
     # -- the decision --
     def free(self, cls: int, tenant: str | None = None) -> int:
@@ -580,6 +588,8 @@ class PoolQueue:
         if not t.sheds and not t.retried:
             self._shed_at.append(now)
             self.shed_demand(now)  # (pruned here too: nothing may read it)
+        if t.key:  # (whether its clients number their attempts: its return prior, ``return_rate``)
+            self.numbered[t.tenant] = t.retried is not None
         t.retry_after_s = self._retry_after(t, now)
 
     def _retry_after(self, t: Ticket, now: float) -> float:
@@ -631,7 +641,8 @@ class PoolQueue:
         as the prior: an SDK retries a set number of times, so the place after its last retry is a ghost."""
         back, ended = self.returns.get(tenant, (0.0, 0.0))
         w = self.return_prior_weight
-        rate = (back + self.return_prior * w) / (ended + w)
+        prior = self.return_prior_numbered if self.numbered.get(tenant) else self.return_prior
+        rate = (back + prior * w) / (ended + w)
         if sheds is None:
             return rate
         back, ended = self.returns_by_count.get((tenant, min(sheds, MAX_SHED_COUNT)), (0.0, 0.0))
