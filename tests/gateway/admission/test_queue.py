@@ -1113,6 +1113,7 @@ def test_on_a_slow_pool_a_tenant_whose_clients_number_their_attempts_has_its_pla
     first_retries, admitted_first, _ = _run_with_retries(q, "a", arrivals, retry=True, service=service,
                                                          max_retries=2, numbered=numbered)
     assert first_retries >= 20
+    assert q.stats(100.0)["retry_clients_numbered"] == {"a": numbered}  # (shown in /usefulwork/stats)
     if numbered:
         assert q.numbered["a"] and admitted_first / first_retries >= 0.9
     else:

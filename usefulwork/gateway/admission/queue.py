@@ -1080,6 +1080,7 @@ class PoolQueue:
                 "retry_return_rate_by_shed": {
                     k: {str(n): round(self.return_rate(k, n), 3) for (u, n) in sorted(self.returns_by_count) if u == k}
                     for k in self.returns},
+                "retry_clients_numbered": dict(self.numbered),  # (which return prior a tenant starts from)
                 "shed": dict(self.shed_total), "shed_demand": self.shed_demand(now, prune=False),
                 "capacity": self.capacity.stats(),
                 "fair_share_tokens": {k: round(v, 1) for k, v in self.counters.items()}}
