@@ -871,7 +871,7 @@ class PoolQueue:
         depends on the tenant only through its share state and whether another tenant has work in the
         pool, so it is priced once per pair; a tenant under its share is priced on its own (the heavy
         tenants' work beyond its max-min share). Priced per tenant, a release whose pump found no tenant
-        that could go cost 600-650 us at 200 tenants with work queued, 280-300 us so
+        that could go cost 600-650 us at 200 tenants with work queued; priced so, 280-300 us
         (``benchmarks/admission_tenants.py``)."""
         slo = self.capacity.current()
         busy = sum(1 for n in self.inflight_tenant.values() if n > 0)
