@@ -69,6 +69,8 @@ FILL_TTFT_FACTOR = 3.0  # batch fills the pool while the service TTFT stays with
 INTERACTIVE_YIELD = 0.9  # batch yields once interactive answers take this share of the E2E target
 LOAD_EWMA = 0.2  # weight of a new sample in a load band's TPOT (``Capacity.tpot_at``)
 LOAD_BAND_WEIGHT = 10  # the most samples a load band counts as in the line's fit
+CUT_KEEP_MAX = 0.9  # a cut keeps at most this share of a limit (cuts at least 10%)...
+CUT_KEEP_MIN = 0.5  # ...and at least this share (at most halves it)
 
 
 @dataclass(slots=True)
@@ -416,7 +418,7 @@ class Capacity:
             # work one slot: on the real CPU vLLM's 2x cell the SLO limit went to 1.7 per replica in three
             # live cuts while the fill limit stayed at 24, and interactive requests queued 3.4 s and were shed.
             if now - self.last_batch_decrease >= self.service:
-                self._cut_fill(min(self.batch_limit, inflight / n) * max(0.5, min(0.9, self.tpot_target / live)), now,
+                self._cut_fill(min(self.batch_limit, inflight / n) * _kept(self.tpot_target / live), now,
                                self._live_why(live, inflight))
                 self.live_decreases += 1
             return
@@ -431,7 +433,7 @@ class Capacity:
             # against the 112 ms target and the model itself put the target at 8: the real CPU vLLM's
             # burst-retry cell, docs/benchmarks.md section 7, session 43.)
             decode, per_slot = model
-            new = max(new, min((self.tpot_target - decode) / per_slot, 0.9 * self.limit))
+            new = max(new, min((self.tpot_target - decode) / per_slot, CUT_KEEP_MAX * self.limit))
         if new < self.limit:
             self._cut(new, now, self._live_why(live, inflight))
             self.live_decreases += 1
@@ -554,7 +556,7 @@ class Capacity:
     def _cut_to(self, base: float, overshoot: float, n: int) -> float:
         """A cut limit: ``base`` in proportion to the overshoot (at least 10%, at most half), never under
         ``min_concurrency``."""
-        return max(float(self.cfg.min_concurrency) / n, base * max(0.5, min(0.9, 1.0 / overshoot)))
+        return max(float(self.cfg.min_concurrency) / n, base * _kept(1.0 / overshoot))
 
     def _cut(self, new: float, now: float, why: str) -> None:
         log.info("admission: SLO limit %.2f -> %.2f per replica: %s", self.limit, new, why)
@@ -747,3 +749,9 @@ class Window:
 
 def _ewma(old: float | None, new: float) -> float:
     return new if old is None else old + EWMA * (new - old)
+
+
+def _kept(share: float) -> float:
+    """The share of a limit a cut keeps: ``share`` (the target over what was measured), cutting at least
+    10% and at most half."""
+    return max(CUT_KEEP_MIN, min(CUT_KEEP_MAX, share))
