@@ -35,8 +35,7 @@ def _queue() -> PoolQueue:
     cfg = AdmissionCfg(initial_concurrency=64)
     cap = Capacity(cfg, 2.0, 0.1, 5.0, replica_count=lambda: 1)
     cap.service, cap.svc_ttft = 10.0, 0.1  # as if measured
-    q = PoolQueue("p", cap, reserve_fraction=cfg.reserve_fraction, max_queue=cfg.max_queue, e2e_slo_s=5.0,
-                  tenant_headroom=cfg.tenant_headroom)
+    q = PoolQueue.from_cfg("p", cap, cfg, 5.0)  # (the shipped settings, as the filter builds it)
     for _ in range(60):
         q.offer(Ticket("heavy", 0, 640, 0.0, 1e6, max_tokens=None), 0.0)
     return q

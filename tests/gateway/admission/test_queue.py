@@ -1749,8 +1749,6 @@ def test_a_retry_whose_place_this_process_does_not_hold_is_not_new_demand():
     assert q.offer(first, 0.2).kind == "shed" and q.shed_demand(0.3) == 1
 
 
-
-
 def test_a_pumps_look_at_every_tenant_prices_each_as_free_does():
     """``_may_go`` (what ``_pop_next`` asks of each tenant with work queued, priced once per share state)
     agrees with ``free(cls, tenant) > 0`` for every tenant and class, on random pools: tenants of several
