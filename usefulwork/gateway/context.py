@@ -70,6 +70,7 @@ class RequestContext:
     cost_usd: float = 0.0  # price-sheet cost, filled by accounting
     slo_met: bool | None = None
     recovered: bool = False  # rebuilt from the journal of a gateway that died (accounting/journal.py)
+    journaled: tuple | None = None  # the fields its last journal row held (accounting/journal.py)
 
     # Raw SSE events already sent to the client. Kept only so that a stream cut before usage
     # arrived can be counted with a tokenizer afterwards (never parsed on the hot path).
@@ -100,9 +101,12 @@ class RequestContext:
 
 
 class Accountant(Protocol):
-    """Sees every request start (``begin``) and end (``finish``); both run on the event loop, O(1)."""
+    """Sees every request start (``begin``), its last response bytes about to go (``answered``: zero or more
+    times) and its end (``finish``); all run on the event loop, O(1)."""
 
     def begin(self, ctx: RequestContext) -> None: ...
+
+    def answered(self, ctx: RequestContext) -> None: ...
 
     def finish(self, ctx: RequestContext) -> None: ...
 
@@ -113,6 +117,9 @@ class Accountant(Protocol):
 
 class NullAccountant:
     def begin(self, ctx: RequestContext) -> None:
+        return None
+
+    def answered(self, ctx: RequestContext) -> None:
         return None
 
     def finish(self, ctx: RequestContext) -> None:

@@ -200,6 +200,7 @@ class Endpoint:
             ctx.status_code = err.status
             ctx.error = err.message
             if not ex.started:
+                self._answer(ctx)
                 await send_error(send, err, [(b"x-request-id", ctx.id.encode())])
         except ClientGone as exc:
             ended = exc
@@ -212,6 +213,7 @@ class Endpoint:
                 ctx.error = "cut: the gateway shut down before the request ended"
             if not ex.started:
                 ctx.status_code = 503
+                self._answer(ctx)
                 try:
                     await send_json(send, 503, error_body(503, "the gateway is shutting down", code="shutting_down"))
                 except Exception:
@@ -223,6 +225,7 @@ class Endpoint:
             ctx.status_code = 500
             ctx.error = f"internal error: {type(exc).__name__}"
             if not ex.started:
+                self._answer(ctx)
                 try:
                     await send_json(send, 500, error_body(500, "internal gateway error", code="internal_error"))
                 except Exception:
@@ -252,7 +255,7 @@ class Endpoint:
                 ctx.t_first_token = time.perf_counter()
             if reply.status >= 400 and ctx.error is None:
                 ctx.error = body[:500].decode("utf-8", "replace")
-            ctx.closing = True
+            self._answer(ctx, reply)
             ex.started = True
             await send({"type": "http.response.start", "status": reply.status,
                         "headers": [*reply.headers, (b"content-length", str(len(body)).encode()), rid]})
@@ -271,13 +274,13 @@ class Endpoint:
                         ctx.on_first_token()
                 events.append(out)
                 if out.endswith(DONE_EVENT) or (marker is not None and marker in out):
-                    ctx.closing = True  # a client closing after this write got everything
+                    self._answer(ctx, reply)  # a client closing after this write got everything
                 await send({"type": "http.response.body", "body": out, "more_body": True})
         except UpstreamError as exc:
             timeout = isinstance(exc, UpstreamTimeout)
             ctx.status_code = 504 if timeout else 502
             ctx.error = f"stream failed after it began: {exc}"
-            ctx.closing = True
+            self._answer(ctx)
             await send({"type": "http.response.body", "more_body": False, "body": self._error_event(
                 "the model server's stream failed", 504 if timeout else 502,
                 "timeout_error" if timeout else "upstream_error")})
@@ -286,7 +289,7 @@ class Endpoint:
             if not ex.gone:  # the server is stopping and its grace ran out: say so before the cut
                 ctx.status_code = 503
                 ctx.error = "stream cut: the gateway shut down before it ended"
-                ctx.closing = True
+                self._answer(ctx)
                 try:
                     await send({"type": "http.response.body", "more_body": False, "body": self._error_event(
                         "the gateway is shutting down; the stream was cut", 503, "service_unavailable")})
@@ -295,8 +298,21 @@ class Endpoint:
             raise
         if reply.usage is not None:
             ctx.streamed_events = None  # usage is known: no need to keep the text for an estimate
-        ctx.closing = True
+        if not ctx.closing:  # no end event came: the stream's end is its last bytes
+            self._answer(ctx, reply)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _answer(self, ctx: RequestContext, reply: Reply | None = None) -> None:
+        """The response's last bytes go next: the record as it stands now is journaled first, so a client
+        holding its whole answer never outruns the record (a gateway killed right after the write, even
+        with the OS running the client first, still leaves it: accounting/journal.py). ``finish`` writes
+        the row again only if something changes after this."""
+        ctx.closing = True  # a disconnect from here on is not a cancel
+        if reply is not None:
+            book_usage(ctx, reply.usage)
+        ctx.outcome = classify(ctx.status_code)
+        ctx.t_end = time.perf_counter()
+        self.intake.accountant.answered(ctx)
 
     def _error_event(self, message: str, code: int, type_: str) -> bytes:
         flavour = ResponsesSSE if self.op.name == "responses" else SSEFilter

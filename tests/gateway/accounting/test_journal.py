@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import os
 
-from usefulwork.gateway.accounting.journal import Journal
+import orjson
+
+from usefulwork.gateway.accounting.journal import FIELDS, Journal
 from usefulwork.gateway.context import RequestContext
 
 
@@ -89,6 +91,71 @@ def test_a_row_is_written_when_its_request_finishes(tmp_path):
         rows = (tmp_path / f"{j.tag}.0.jsonl").read_bytes().split(b"\0", 1)[0].splitlines()
         assert len(rows) == i + 1  # in the file (its page cache) at once, from another reader's view
     j.close()
+
+
+def _rows(directory) -> dict[str, list]:
+    """What another process reads in the journal files now: each request id's last row."""
+    out = {}
+    for seg in directory.glob("*.jsonl"):
+        for line in seg.read_bytes().split(b"\0", 1)[0].splitlines():
+            row = orjson.loads(line)
+            if row[0] != "ack":
+                out[row[0]] = row
+    return out
+
+
+async def test_a_request_is_journaled_before_its_last_response_bytes_are_written(tmp_path):
+    """A SIGKILL sent as soon as the client had its whole answer lost that request's record (CI, session
+    45: 1 of 60 in tests/e2e/test_reliability.py): its row was written after the response's last write,
+    and the OS may run the woken client, which sends the kill, before the gateway's next microseconds.
+    Now the row is in the file when the last bytes (a body, a stream's end event, a shed's 429) go out."""
+    from tests.gateway.accounting.test_ledger import make_accountant
+    from tests.gateway.test_proxy import CHAT, Client
+    from usefulwork.gateway.errors import GatewayError
+    from usefulwork.gateway.pipeline import Reply
+    from usefulwork.gateway.proxy import Endpoint, Intake
+    from usefulwork.gateway.tenants import Tenants
+
+    usage = {"prompt_tokens": 7, "completion_tokens": 2}
+
+    async def chunks():
+        yield b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n'
+        yield b'data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":2}}\n\ndata: [DONE]\n\n'
+
+    async def handler(call):
+        kind = call.ctx.client_request_id
+        if kind == "shed":
+            raise GatewayError(429, "over capacity", code="shed", headers=[(b"retry-after", b"3")])
+        if kind == "stream":
+            call.ctx.stream = True
+            reply = Reply(200, [(b"content-type", b"text/event-stream")], chunks=chunks())
+            reply.usage = usage
+            return reply
+        return Reply(200, [(b"content-type", b"application/json")], body=b'{"ok":1}', usage=usage)
+
+    acc = make_accountant(sinks=[_Flaky()], journal_dir=tmp_path)[0]  # the sink refuses: nothing is acked
+    await acc.start()
+    ep = Endpoint(Intake(acc.fleet, acc, Tenants(acc.cfg), handler, max_body=1 << 20, body_timeout_s=5), CHAT)
+    for kind, status, outcome in (("unary", 200, "ok"), ("stream", 200, "ok"), ("shed", 429, "shed")):
+        seen: list[list | None] = []
+        c = Client(b'{"model":"s","messages":[{"role":"user","content":"hi"}]}', [(b"x-request-id", kind.encode())])
+        send = c.send
+
+        async def watch(msg, c=c, send=send, seen=seen):
+            if msg["type"] == "http.response.body" and (not msg.get("more_body") or b"[DONE]" in msg["body"]):
+                rid = dict(next(m for m in c.sent if m["type"] == "http.response.start")["headers"])[b"x-request-id"]
+                seen.append(_rows(tmp_path).get(rid.decode()))
+            await send(msg)
+
+        await ep(c.scope, c.receive, watch)
+        assert c.status == status and seen and all(seen), f"{kind}: a last write went out before its row"
+        row = seen[0]
+        assert (row[1], row[FIELDS.index("status_code")], row[FIELDS.index("outcome")]) == (kind, status, outcome)
+        if status == 200:
+            assert (row[FIELDS.index("prompt_tokens")], row[FIELDS.index("completion_tokens")]) == (7, 2)
+    lines = b"".join(p.read_bytes().split(b"\0", 1)[0] for p in tmp_path.glob("*.jsonl")).splitlines()
+    assert acc.journal.pending == 3 and len(lines) == 3  # one row each: the finish found nothing changed
+    await acc.stop()
 
 
 class _Flaky:

@@ -4,10 +4,11 @@ no ledger record of a request it answered.
 The ledger holds a finished request's record in memory until its GPU-time share settles (up to
 ``ledger.max_hold_s`` + an interval + a flush: 6.5 s by default) and until the sinks confirm it. A
 SIGKILL lost those records: ~290 of the 1,000 a killed gateway had answered at 100 req/s
-(docs/benchmarks.md section 12). With a sink configured, each finished request is also appended to
-this journal as it finishes, in the same step of the request's task that wrote its response: a copy
-into a shared memory map of the journal file (no system call: the pages are the kernel's page cache,
-so the row survives the process, though not the machine), no fsync on the request path. When every
+(docs/benchmarks.md section 12). With a sink configured, each request is also appended to this
+journal just before its response's last bytes are written (``Ledger.answered``), and again when it
+finishes only if its record changed in between: a copy into a shared memory map of the journal file
+(no system call: the pages are the kernel's page cache, so the row survives the process, though not
+the machine), no fsync on the request path. When every
 sink has confirmed a batch of records, the journal notes their ids (an ``ack`` line). What survives
 a kill is therefore the journal's unacknowledged requests.
 
@@ -27,9 +28,11 @@ on one host (``serve --workers``, several gateways) a sibling recovers them with
 at least once: a kill between a sink's write and the ``ack`` line that follows it writes those
 records again (consumers dedupe on ``id``).
 
-What it cannot save: a request killed between its response's write and its journal row's (the same
-task step, tens of microseconds of Python, longer only if the OS preempts the process right there),
-and anything on a machine that loses its page cache (power, kernel crash). Two designs measured and
+The row goes before the last write, not after: a client woken by its answer may run first on the
+CPU and kill the gateway before the gateway's next microseconds (1 of 60 records lost in CI; 5 of 32
+runs of the SIGKILL test under CPU load lost one). What it cannot save: a change a request's closers
+make after its last write (a cascade's discarded tier) when the kill lands in between, and anything
+on a machine that loses its page cache (power, kernel crash). Two designs measured and
 left (docs/benchmarks.md section 12): a ``write`` per row cost 23-27 us of gateway CPU per request at
 c=16 (ext4 stalls now and then: p99 56 us, max 2.5 ms per write); one ``write`` per event-loop
 iteration lost 1 of 1,000 answered requests in one of two SIGKILL runs (the iteration's other
@@ -95,9 +98,9 @@ def journal_dir_for(ledger: LedgerCfg) -> Path | None:
 _fields = operator.attrgetter(*FIELDS)
 
 
-def _row(ctx: RequestContext) -> bytes:
+def _row(ctx: RequestContext, fields: tuple) -> bytes:
     t0, tv, tf, t1, te = ctx.t_start, ctx.t_validated, ctx.t_forwarded, ctx.t_first_token, ctx.t_end
-    return orjson.dumps((*_fields(ctx), None if tv is None else tv - t0, None if tf is None else tf - t0,
+    return orjson.dumps((*fields, None if tv is None else tv - t0, None if tf is None else tf - t0,
                          None if t1 is None else t1 - t0, None if te is None else te - t0))
 
 
@@ -153,8 +156,21 @@ class Journal:
 
     # -- the request path --
     def append(self, ctx: RequestContext) -> None:
-        self._write(_row(ctx) + b"\n")
+        """Journal the request as it stands, unless its last row already says so (times aside).
+
+        Runs twice per request: as its response's last bytes are handed to the socket (before them: a
+        client holding the whole answer never outruns its row) and when it finishes, where it writes
+        again only if something a record shows changed in between (a cascade's closer booking the
+        discarded tier, a write that failed). A later row of the same id replaces the earlier one."""
+        fields = _fields(ctx)
+        if fields == ctx.journaled:
+            return
+        self._write(_row(ctx, fields) + b"\n")
+        ctx.journaled = fields
         seg = self._seg
+        old = self._seg_of.get(ctx.id)
+        if old is not None:
+            self._segments[old] -= 1
         self._seg_of[ctx.id] = seg
         self._segments[seg] += 1
 

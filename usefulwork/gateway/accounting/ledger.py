@@ -14,9 +14,10 @@ A record therefore reaches the sinks once its GPU-time share is final: shortly a
 ends, and never later than ``ledger.max_hold_s`` (+ one interval + one flush) however long other
 requests keep running: past that hold, work a still-running request did before the frontier is
 booked after it instead (totals stay conserved). Requests not yet forwarded upstream (a client
-still sending its body) hold nothing back. With a sink, ``finish`` also appends the request to the
-write-ahead journal (``journal.py``), acknowledged once every sink has its record, so a gateway that
-dies loses none: a gateway sharing the journal directory writes them (docs/reliability.md).
+still sending its body) hold nothing back. With a sink, ``answered`` (called just before the
+response's last bytes are written) and ``finish`` also append the request to the write-ahead journal
+(``journal.py``), acknowledged once every sink has its record, so a gateway that dies loses none: a
+gateway sharing the journal directory writes them (docs/reliability.md).
 
 ``stop()`` lets the pass in progress finish (a slow token estimate included), accounts whatever is
 still queued, settles everything up to now and flushes every sink, so a clean stop loses nothing a
@@ -198,6 +199,12 @@ class Ledger:
         """Optional: a request started. Lets settlement wait exactly for the oldest running request."""
         self._tracks_starts = True
         self._inflight[id(ctx)] = ctx
+
+    def answered(self, ctx: RequestContext) -> None:
+        """The request's last response bytes are about to be written: journal it now, so that a gateway
+        killed once the client has its answer still leaves the record (``finish`` follows)."""
+        if self.journal is not None:
+            self.journal.append(ctx)
 
     def finish(self, ctx: RequestContext) -> None:
         self._inflight.pop(id(ctx), None)
