@@ -221,8 +221,8 @@ class LedgerCfg(_Strict):
                               "(what the write-ahead journal covers when a gateway dies; docs/reliability.md).")
     shutdown_timeout_s: float = Field(5.0, gt=0, description="Longest a clean stop waits for a sink that does "
                                       "not answer (e.g. a hung Redis) before giving up on it.")
-    journal: bool = Field(True, description="With a sink: journal each finished request as it finishes, so a "
-                          "gateway that dies (SIGKILL, OOM) loses no record; another gateway sharing `journal_dir` "
+    journal: bool = Field(True, description="With a sink: journal each request just before its response's last "
+                          "bytes are written, so a gateway that dies (SIGKILL, OOM) loses no record; another gateway sharing `journal_dir` "
                           "(or this one, restarted) writes them, marked `recovered` (docs/reliability.md).")
     journal_dir: str | None = Field(None, description="Where the journal lives; default: one directory per set of "
                                     "sinks (`.usefulwork-journal/<digest>` beside `jsonl_path`, else under the cache "
