@@ -12,7 +12,7 @@ import pytest
 
 from usefulwork.gateway.admission.capacity import Capacity, Sample
 from usefulwork.gateway.admission.config import AdmissionCfg
-from usefulwork.gateway.admission.queue import Decision, PoolQueue, Ticket, retry_after_header
+from usefulwork.gateway.admission.queue import SDK_RETRY_AFTER_MAX_S, Decision, PoolQueue, Ticket, retry_after_header
 
 SLO = (2.0, 0.1, 5.0)  # ttft, tpot, e2e (s)
 
@@ -1778,3 +1778,17 @@ def test_a_pumps_look_at_every_tenant_prices_each_as_free_does():
                 seen.add((q.share_state(u, q.capacity.current()), q._others_in_pool(u), may_go(u)))
     # under and over its share, with and without others in the pool, free and not
     assert seen >= {(s, o, f) for s in (-1, 1) for o in (False, True) for f in (False, True)}
+
+
+@pytest.mark.parametrize("service_s,numbered,held", [(300.0, True, False), (300.0, False, True), (30.0, True, True)])
+def test_no_place_is_held_for_a_numbering_client_told_more_than_its_sdk_honours(service_s, numbered, held):
+    """The OpenAI SDKs (which number their attempts) do not retry a 429 whose Retry-After is over two
+    minutes: a place held for one would sit free in a full pool and count ahead of every later shed.
+    A client that does not number its attempts may still come back; within two minutes, an SDK does."""
+    q = make_queue(limit=8, service_s=service_s)
+    assert [q.offer(ticket(0.0), 0.0).kind for _ in range(8)] == ["admit"] * 8
+    t = ticket(0.0)
+    t.key, t.retried = 7, (0 if numbered else None)
+    d = q.offer(t, 0.0)
+    assert d.kind == "shed" and (d.retry_after_s > SDK_RETRY_AFTER_MAX_S) == (service_s > SDK_RETRY_AFTER_MAX_S)
+    assert (7 in q._held) == held

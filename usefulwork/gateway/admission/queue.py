@@ -86,6 +86,10 @@ MAX_SHED_COUNT = 8  # return rates are learnt per shed count up to this (later s
 PLACELESS_PER_SHED = 2.0  # place-less retries priced as due now, per place this replica held for the tenant lately
 PLACELESS_TAU_S = 30.0  # time constant over which that allowance fades
 OVERSHOOT = 1.1  # a queued ticket at its latest start may exceed the limit by this factor (one cut's worth)
+# The longest Retry-After a client numbering its attempts (``x-stainless-retry-count``: the OpenAI SDKs) waits out:
+# openai-python 3.x does not retry a 429 told longer (``MAX_RETRY_AFTER_DELAY``, two minutes); older versions
+# ignored a Retry-After over 60 s and retried after their own backoff. Either way it is not back at that time.
+SDK_RETRY_AFTER_MAX_S = 120.0
 QUEUE_SAFETY = 0.75  # queue only when the predicted wait leaves a quarter of the budget spare (slots free in clumps)
 State = Literal["new", "queued", "admitted", "released", "shed", "cancelled"]
 
@@ -629,7 +633,9 @@ class PoolQueue:
         else:
             retry = 1.0
         retry = max(retry, first, 0.05)
-        if t.cls < 2 and t.key:
+        # (A client numbering its attempts, told more than its SDK honours, gives up: no place is held for
+        # it, where it would sit free in a full pool until its time and count ahead of every later shed.)
+        if t.cls < 2 and t.key and not (t.retried is not None and retry > SDK_RETRY_AFTER_MAX_S):
             self._reserve(now + retry, t.key, t.tenant, now, t.sheds + 1)
         return retry
 
