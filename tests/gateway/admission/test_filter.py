@@ -158,6 +158,32 @@ def test_queued_request_waits_for_a_slot_then_runs():
     assert call.ctx.admission == "queued" and call.ctx.queue_ms >= 40
 
 
+@pytest.mark.parametrize("service_s", [10.0, 300.0])
+def test_a_shed_told_longer_than_the_sdks_wait_says_not_to_retry(service_s):
+    """openai-python 3.x does not retry a 429 whose Retry-After is over two minutes; older versions ignored
+    one over a minute and retried at once, into the same full pool. ``x-should-retry: false`` stops both."""
+    from usefulwork.gateway.admission.queue import SDK_RETRY_AFTER_MAX_S
+
+    f = make_filter(make_cfg(admission={"initial_concurrency": 1, "max_concurrency": 1}))
+
+    async def go():
+        be = Backend(hold=True)
+        first = asyncio.create_task(f(make_call(f), be))
+        await asyncio.sleep(0.01)
+        cap = f.queues["p"].capacity
+        cap.service, cap.svc_ttft = service_s, 0.1  # measured: one slot frees every service_s
+        reply = await f(make_call(f), be)
+        be.gates[0].set()
+        await (await first).aclose()
+        return reply
+
+    reply = asyncio.run(go())
+    assert reply.status == 429
+    long = int(reply.header(b"retry-after-ms")) > SDK_RETRY_AFTER_MAX_S * 1000
+    assert long == (service_s > SDK_RETRY_AFTER_MAX_S)
+    assert (reply.header(b"x-should-retry") == b"false") == long
+
+
 def test_shed_at_arrival_is_429_with_retry_after_and_reason():
     reader = InMemoryMetricReader()
     meter = MeterProvider(metric_readers=[reader]).get_meter("t")

@@ -35,7 +35,7 @@ from usefulwork.gateway.admission.config import AdmissionCfg
 from usefulwork.gateway.admission.lease import LeasedLimits
 from usefulwork.gateway.admission.limits import (FailoverLimits, FairShareSync, Limits, LocalLimits, RedisLimits,
                                                 StoreDown, ratelimit_headers, seconds_to_midnight, whole_left)
-from usefulwork.gateway.admission.queue import PoolQueue, Ticket, retry_after_header
+from usefulwork.gateway.admission.queue import SDK_RETRY_AFTER_MAX_S, PoolQueue, Ticket, retry_after_header
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -55,7 +55,8 @@ PRIORITY_HEADER = b"x-usefulwork-priority"
 REASON_HEADER = b"x-usefulwork-shed-reason"
 # Refusals a quick retry cannot change (the day's budget is spent; the request needs more tokens than the
 # tenant's tpm holds): the OpenAI SDKs (Python, Node) obey ``x-should-retry: false`` and do not retry
-# them, where they would retry any other 429 at once (they ignore a Retry-After over a minute).
+# them, where they would retry any other 429 at once (older versions ignore a Retry-After over a minute).
+# A shed told more than ``SDK_RETRY_AFTER_MAX_S`` says so too.
 NO_RETRY_NOW = frozenset(("budget", "tpm_too_large"))
 NO_RETRY = (b"x-should-retry", b"false")
 # The OpenAI SDKs (Python, Node) number each attempt: 0 first, then the retries (a 429's included).
@@ -322,7 +323,8 @@ class AdmissionFilter:
             self._sheds.add(1, {"pool": queue.name if queue else (call.pool.name if call.pool else ""),
                                 "priority": ctx.priority or "", "reason": reason})
         headers = [*retry_after_header(retry_after_s), (REASON_HEADER, reason.encode())]
-        if reason in NO_RETRY_NOW:
+        if reason in NO_RETRY_NOW or retry_after_s > SDK_RETRY_AFTER_MAX_S:
+            # (told longer than an SDK waits: 3.x gives up anyway, older ones would retry at once into a full pool)
             headers.append(NO_RETRY)
         return _error(status, message, reason, headers)
 
