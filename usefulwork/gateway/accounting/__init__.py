@@ -1,8 +1,9 @@
 """Per-request accounting wired for the gateway: the ledger's accountant and the stats/dashboard routes.
 
 ``build(cfg, fleet)`` returns an :class:`AccountingBundle`: the gateway calls
-``bundle.accountant.start()`` at start-up, ``bundle.accountant.finish(ctx)`` once per finished
-request, ``await bundle.accountant.stop()`` at shutdown, and mounts ``bundle.routes``:
+``bundle.accountant.start()`` at start-up, ``bundle.accountant.answered(ctx)`` just before a response's
+last bytes (the journal's row), ``bundle.accountant.finish(ctx)`` once per finished request,
+``await bundle.accountant.stop()`` at shutdown, and mounts ``bundle.routes``:
 
 - ``GET /usefulwork/stats``: the live useful-work windows as JSON (``?series=1`` adds the dashboard's
   time series); with ``scale_out.redis_url`` the whole fleet's (``?scope=replica``: this process's);
