@@ -26,13 +26,13 @@ BODY = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"
 
 class Ledger:
     def __init__(self):
-        self.begun, self.answered_ids, self.done = [], [], []
+        self.begun, self.done = [], []
 
     def begin(self, ctx):
         self.begun.append(ctx)
 
-    def answered(self, ctx):
-        self.answered_ids.append(ctx.id)
+    def answered(self, ctx):  # (the journal's row: its order is tested with the real ledger, test_journal.py)
+        return None
 
     def finish(self, ctx):
         self.done.append(ctx)

@@ -13,6 +13,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from tests.conftest import drop_redis_keys
 from usefulwork.config import from_mapping
 from usefulwork.gateway.admission.filter import AdmissionFilter
+from usefulwork.gateway.admission.queue import SDK_RETRY_AFTER_MAX_S
 from usefulwork.gateway.context import NullAccountant, RequestContext
 from usefulwork.gateway.pipeline import Call, Reply, Services
 from usefulwork.gateway.tenants import hash_key
@@ -162,8 +163,6 @@ def test_queued_request_waits_for_a_slot_then_runs():
 def test_a_shed_told_longer_than_the_sdks_wait_says_not_to_retry(service_s):
     """openai-python 3.x does not retry a 429 whose Retry-After is over two minutes; older versions ignored
     one over a minute and retried at once, into the same full pool. ``x-should-retry: false`` stops both."""
-    from usefulwork.gateway.admission.queue import SDK_RETRY_AFTER_MAX_S
-
     f = make_filter(make_cfg(admission={"initial_concurrency": 1, "max_concurrency": 1}))
 
     async def go():
