@@ -271,3 +271,23 @@ def test_a_gateway_restarted_beside_a_full_replica_keeps_the_slo_of_what_it_admi
     r = av.restart_cell(1, av.RESTART_SLOS["experiment"], server_figure=True)
     assert r["timeouts"] == 0 and r["served"] >= 0.95 * r["sent"]
     assert r["attainment_served"] >= 0.95
+
+
+def test_the_what_if_client_waits_out_the_retry_afters_the_installed_openai_sdk_honours():
+    """The what-if's clients are OpenAI SDK clients: they wait out a 429's Retry-After up to the installed
+    SDK's own limit (openai-python 3.x: two minutes, ``MAX_RETRY_AFTER_DELAY``) and give up past it, the
+    figure the gateway holds no place beyond (``SDK_RETRY_AFTER_MAX_S``). (The client gave up past 60 s,
+    the older SDKs' figure, where 3.x waits.)"""
+    from openai._constants import MAX_RETRY_AFTER_DELAY
+
+    from usefulwork.gateway.admission.queue import SDK_RETRY_AFTER_MAX_S
+    from usefulwork.loadtest.autoscale import SLO, Policy, Req, Simulation
+
+    assert SDK_RETRY_AFTER_MAX_S == MAX_RETRY_AFTER_DELAY
+    sim = Simulation(Policy("one", "one replica", fixed=1, admission=True), DAY, FLEET, Client(), SLO)
+    for told, retried in ((90.0, True), (MAX_RETRY_AFTER_DELAY, True), (MAX_RETRY_AFTER_DELAY + 1.0, False)):
+        sim.sends.clear()
+        req = Req(id=1, t0=sim.now, attempts=1)
+        sim._shed(req, told)
+        assert (req.outcome, [(t, r) for t, _, r in sim.sends]) == (
+            (None, [(sim.now + told, req)]) if retried else ("shed", []))

@@ -51,7 +51,7 @@ from usefulwork.backends.sim.engine import SimEngine
 from usefulwork.backends.sim.scheduler import SimRequest
 from usefulwork.gateway.admission.capacity import Capacity, Sample
 from usefulwork.gateway.admission.config import AdmissionCfg
-from usefulwork.gateway.admission.queue import PoolQueue, Ticket
+from usefulwork.gateway.admission.queue import SDK_RETRY_AFTER_MAX_S, PoolQueue, Ticket
 from usefulwork.loadtest.metrics import SLOSpec
 from usefulwork.loadtest.hpa import HPA, SEED_DOWN, SEED_UP, SYNC_PERIOD_S, Rules
 from usefulwork.upstream.fleet import Replica as ReplicaView
@@ -123,7 +123,9 @@ class Fleet:
 class Client:
     timeout_s: float = 60.0
     max_retries: int = 2  # the OpenAI SDK's default; 429s are retried after their Retry-After
-    max_retry_after_s: float = 60.0  # the SDK honours a Retry-After up to this; longer: it gives up here
+    # The SDK honours a Retry-After up to this; longer: it gives up (openai-python 3.x's MAX_RETRY_AFTER_DELAY;
+    # before 3.x it ignored one over 60 s and retried on its own backoff)
+    max_retry_after_s: float = SDK_RETRY_AFTER_MAX_S
     from_first_send: bool = False  # ``timeout_s`` counts from the first send, retries' waits included (the loadtest client's)
 
 
