@@ -1,5 +1,7 @@
 """Rates scaled to the server: the probe against a real simulated server, the capacity model, the runner."""
 
+import re
+
 import pytest
 from rich.console import Console
 
@@ -102,6 +104,24 @@ def test_the_simulated_server_matches_what_the_real_one_served():
     assert calibrate.capacity(Probe(0.4, 0.2, 8, 0.4, 128), *CPU_SLO, requests=100, seeds=(0,)) == 0.0
     with pytest.raises(CalibrationError, match="outside"):
         calibrate.scale_for(Probe(0.4, 0.2, 8, 0.4, 128), 0.7, type("S", (), {"ttft_ms": 5e3, "tpot_ms": 150, "e2e_ms": 3e4})())
+
+
+def test_a_server_with_no_capacity_at_the_slo_is_refused_naming_what_a_lone_request_misses():
+    """Session 47's AVX2 host decoded one sequence at 141 ms a token: with the experiment's 15% margin a lone
+    request's TPOT is 162 ms against the 150 ms SLO, so no rate meets it; the refusal says that (it said
+    only "scale 0 is outside (0.02, 10.0)"), and names no term a lone request meets."""
+    slo = type("S", (), {"ttft_ms": 5e3, "tpot_ms": 150, "e2e_ms": 3e4})()
+    host = Probe(prefill_s=2.596, decode_1_s=0.1413, concurrency=8, decode_n_s=0.2445, output_tokens=128, base_s=0.1311,
+                 together_first_s=20.46)
+    with pytest.raises(CalibrationError) as err:
+        calibrate.scale_for(host, 0.65, slo, margin=0.15)
+    msg = str(err.value)
+    assert "scale 0 is outside" in msg and "steps 15% slower than probed" in msg
+    (tpot,) = re.findall(r"TPOT (\d+) ms > 150 ms", msg)
+    assert int(tpot) == pytest.approx(0.1413 * 1.15 * 1e3, abs=2)
+    assert "TTFT" not in msg.split(";")[1] and "E2E" not in msg.split(";")[1]
+    # (as probed, without the margin, the lone request meets it and a capacity is found)
+    assert calibrate.capacity(host, 5.0, 0.15, 30.0, requests=100, seeds=(0,)) > 0.0
 
 
 def test_the_step_model_is_fitted_from_the_probe():

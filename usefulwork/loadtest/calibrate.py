@@ -184,6 +184,23 @@ def capacity(p: Probe, ttft_s: float, tpot_s: float, e2e_s: float, requests: int
     return lo
 
 
+def lone_misses(p: Probe, slo_s: tuple[float, float, float], margin: float = 0.0) -> str:
+    """Why a server has no capacity at the SLO: the SLO terms a request alone on it misses (its p95 at a
+    trickle on the simulated server, steps ``1 + margin`` times as long as probed), with the figures. A slow
+    host's lone sequence may already decode slower than the TPOT SLO (an AVX2 host at 141 ms a token
+    against 150 ms, plus the margin), which no rate and no admission can change."""
+    r = simulate(p, 1e-3 / max(p.prefill_s + p.output_tokens * p.decode_1_s, 1e-3), slo_s, requests=WARM + 20,
+                 model=StepModel.fit(p).slower(margin))
+    got = (r["p95_ttft_s"], r["p95_tpot_s"], r["p95_e2e_s"])
+    terms = [f"{name} {g * 1e3:.0f} ms > {limit * 1e3:.0f} ms" for name, g, limit in zip(("TTFT", "TPOT", "E2E"), got, slo_s)
+             if g > limit]
+    slower = f", steps {margin:.0%} slower than probed" if margin else ""
+    if not terms:  # (the p95s pass, the tail does not)
+        terms = [f"{r['attainment']:.0%} of requests within it"]
+    return (f"a request alone on this server misses the SLO (p95{slower}): {', '.join(terms)}; no rate meets it (a "
+            "looser SLO, or --rate-scale to run the cells as written anyway)")
+
+
 def _ok(out: RunOutput, want: int) -> list:
     good = [r for r in out.results if r.outcome == "ok" and r.ttft > 0 and r.itl]
     if len(good) < want:
@@ -235,8 +252,9 @@ def scale_for(p: Probe, sized_for_rps: float, slo: Any, margin: float = 0.0) -> 
     est = capacity(p, *slo_s, margin=margin)
     scale = est / sized_for_rps
     if not SCALE_RANGE[0] <= scale <= SCALE_RANGE[1]:
+        why = f"; {lone_misses(p, slo_s, margin)}" if est == 0.0 else ""
         raise CalibrationError(f"estimated capacity {est:.3g} req/s against rates sized for {sized_for_rps:g}: "
-                               f"scale {scale:.3g} is outside {SCALE_RANGE}; probe {asdict(p)}")
+                               f"scale {scale:.3g} is outside {SCALE_RANGE}{why}; probe {asdict(p)}")
     m = StepModel.fit(p)
     return {"probe": asdict(p), "step_model": asdict(m), "speed_margin": margin, "estimated_capacity_rps": est,
             "sized_for_rps": sized_for_rps, "rate_scale": scale,
