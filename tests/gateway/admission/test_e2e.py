@@ -94,6 +94,45 @@ def test_openai_sdk_sees_rate_limit_error_with_retry_after_and_can_honour_it(sim
         gw.stop()
 
 
+def test_an_sdk_client_that_gives_up_sooner_than_the_slo_gets_a_rate_limit_error_not_a_timeout(sim, tmp_path):
+    """The openai SDK sends its read timeout on every request (``x-stainless-read-timeout``). With a slot
+    held for seconds and a 20 s TTFT SLO, a request whose client waits 1 s is shed at once with 429 +
+    Retry-After (``RateLimitError``); the same request with that header removed queues for the SLO's
+    deadline and its client times out (``APITimeoutError``): what the header changes."""
+    gw = gateway(sim, tmp_path, slo={"ttft_ms": 20000, "e2e_ms": 60000},
+                 admission={"initial_concurrency": 1, "max_concurrency": 1})
+    try:
+        url = gw.base_url + "/v1"
+        patient = openai.OpenAI(base_url=url, api_key="k", max_retries=0)
+        hasty = openai.OpenAI(base_url=url, api_key="k", max_retries=0, timeout=1.0)
+        long = dict(model=MODEL, prompt="a " * 50, max_tokens=256, extra_body={"ignore_eos": True})
+        patient.completions.create(**long)  # measured: a slot is held for the seconds such an answer takes
+
+        async def run():
+            task = asyncio.ensure_future(asyncio.to_thread(patient.completions.create, **long))
+            await asyncio.sleep(0.3)
+            out = []
+            for headers in ({}, {"X-Stainless-Read-Timeout": openai.Omit()}):
+                t0 = time.monotonic()
+                try:
+                    await asyncio.to_thread(hasty.completions.create, model=MODEL, prompt="b " * 50, max_tokens=8,
+                                            extra_body={"ignore_eos": True}, extra_headers=headers)
+                except (openai.RateLimitError, openai.APITimeoutError) as exc:
+                    out.append((exc, time.monotonic() - t0))
+                else:
+                    out.append((None, time.monotonic() - t0))
+            await task
+            return out
+
+        (shed, shed_s), (timed_out, _) = asyncio.run(run())
+        assert isinstance(shed, openai.RateLimitError) and shed_s < 0.5
+        assert shed.response.headers["x-usefulwork-shed-reason"] == "predicted_wait"
+        assert float(shed.response.headers["retry-after-ms"]) > 0
+        assert isinstance(timed_out, openai.APITimeoutError)
+    finally:
+        gw.stop()
+
+
 class RoundRobin(httpx.HTTPTransport):
     """A load balancer in front of several gateway processes (a Kubernetes Service): each attempt goes to
     the next one."""

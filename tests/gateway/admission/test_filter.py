@@ -12,7 +12,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from tests.conftest import drop_redis_keys
 from usefulwork.config import from_mapping
-from usefulwork.gateway.admission.filter import AdmissionFilter
+from usefulwork.gateway.admission.filter import AdmissionFilter, client_timeout_s
 from usefulwork.gateway.admission.queue import SDK_RETRY_AFTER_MAX_S
 from usefulwork.gateway.context import NullAccountant, RequestContext
 from usefulwork.gateway.pipeline import Call, Reply, Services
@@ -246,25 +246,56 @@ def test_retries_are_exported_by_how_they_were_priced():
     assert f.stats()["pools"]["p"]["retries_unproven"] == 1
 
 
-def test_deadline_passing_in_queue_is_a_429_at_the_deadline():
-    f = make_filter(make_cfg(admission={"initial_concurrency": 1, "max_concurrency": 1}, slo={"ttft_ms": 200}))
+def queued_behind_one_that_never_ends(f: AdmissionFilter, call: Call) -> tuple[Reply, float]:
+    """``call`` offered to a pool of one slot held by a request predicted to end at once that never does
+    (it queues): its reply, and how long it took."""
 
     async def go():
         be = Backend(hold=True)
         first = asyncio.create_task(f(make_call(f), be))
         await asyncio.sleep(0.01)
-        measured_fast(f)  # predicted to start at once, but the first request never ends
+        measured_fast(f)
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        reply = await f(make_call(f), be)  # it queues, then its deadline passes
+        reply = await f(call, be)
         waited = loop.time() - t0
         be.gates[0].set()
         await (await first).aclose()
         return reply, waited
 
-    reply, waited = asyncio.run(go())
+    return asyncio.run(go())
+
+
+def test_deadline_passing_in_queue_is_a_429_at_the_deadline():
+    f = make_filter(make_cfg(admission={"initial_concurrency": 1, "max_concurrency": 1}, slo={"ttft_ms": 200}))
+    reply, waited = queued_behind_one_that_never_ends(f, make_call(f))  # it queues, then its deadline passes
     assert reply.status == 429 and reply.header(b"x-usefulwork-shed-reason") == b"deadline"
     assert 0.15 <= waited < 0.5
+
+
+def test_a_queued_request_is_answered_429_before_the_timeout_its_client_declares():
+    """The OpenAI SDKs send their read timeout (``x-stainless-read-timeout``, seconds), Envoy its route's
+    (``x-envoy-expected-rq-timeout-ms``): a queued request whose client gives up at 2 s is answered 429
+    with its Retry-After before then (at 95% of it, less the answer's expected time), not at the SLO's
+    5 s deadline after its client left."""
+    f = make_filter(make_cfg(admission={"initial_concurrency": 1, "max_concurrency": 1}, slo={"ttft_ms": 5000}))
+
+    def declared(*headers: tuple[bytes, bytes]) -> float | None:
+        call = make_call(f)
+        call.headers.extend(headers)
+        return client_timeout_s(call)
+
+    assert declared() is None and declared((b"x-stainless-read-timeout", b"600.0")) == 600.0
+    assert declared((b"x-stainless-read-timeout", b"30"), (b"x-envoy-expected-rq-timeout-ms", b"15000")) == 15.0
+    for bad in (b"soon", b"-1", b"0", b"inf", b"nan"):  # (a hint: ignored, not a 400)
+        assert declared((b"x-stainless-read-timeout", bad)) is None
+
+    call = make_call(f)
+    call.headers.append((b"x-stainless-read-timeout", b"2.0"))
+    reply, waited = queued_behind_one_that_never_ends(f, call)
+    assert reply.status == 429 and reply.header(b"x-usefulwork-shed-reason") == b"deadline"
+    assert int(reply.header(b"retry-after-ms")) > 0
+    assert 1.5 <= waited < 2.0
 
 
 @pytest.mark.parametrize("how", ["raises", "cancelled_while_running", "cancelled_while_queued"])

@@ -329,6 +329,29 @@ def test_queued_ticket_is_shed_at_its_latest_start_not_at_its_deadline():
     assert q.expire(1.9) == [late] and late.shed_reason == "deadline" and q.queued == 0
 
 
+def test_a_client_that_gives_up_before_the_slo_is_answered_429_within_its_own_timeout():
+    """The timeout a client declares (``Ticket.gone_at``) bounds what it may wait: a stream's first token,
+    a unary answer's whole body, must come before it. One slot, held 1 s: a request with the SLO's 2 s
+    deadline queues for it; one whose client gives up sooner is shed at arrival, or dropped from the
+    queue at its own latest start, with its Retry-After, instead of being left to time out there."""
+
+    def offer(gone_at: float | None, stream: bool) -> tuple[PoolQueue, Ticket, Decision]:
+        q = make_queue(limit=1, service_s=1.0)  # (svc_ttft 0.1 s: a stream's first bytes; a unary's: 1 s)
+        q.offer(ticket(0.0), 0.0)
+        t = ticket(0.0)
+        t.stream, t.gone_at, t.key = stream, gone_at, 7
+        return q, t, q.offer(t, 0.0)
+
+    for stream in (True, False):
+        assert offer(None, stream)[2].kind == "queue"  # waits ~1 s of a 1.9 s budget
+        _, _, d = offer(1.2, stream)  # gives up at 1.2 s: 1.1 s left after a first token, 0.2 s after an answer
+        assert (d.kind, d.reason) == ("shed", "predicted_wait") and d.retry_after_s > 0
+    q, t, d = offer(1.6, True)  # 1.5 s: the ~1 s wait fits
+    assert d.kind == "queue" and q.next_deadline() == pytest.approx(1.5)  # (not the SLO's 1.9)
+    assert q.expire(1.49) == [] and q.expire(1.5) == [t] and t.shed_reason == "deadline" and t.retry_after_s > 0
+    assert offer(1.6, False)[2].kind == "shed"  # 0.6 s after a whole answer: no
+
+
 def test_a_ticket_dropped_at_its_latest_start_is_told_when_its_retry_fits_and_that_place_is_held():
     """As a shed at arrival: a Retry-After from the drain, and a reservation its retry takes back (a
     dropped ticket used to get no place, and the queue's length over the drain rate: burst-retry clients

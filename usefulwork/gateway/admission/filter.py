@@ -2,7 +2,8 @@
 
 Per request: read the priority (``x-usefulwork-priority``, else the tenant's default; 400 for an
 unknown one, 403 for one above the tenant's ``max_priority``), check the tenant's rpm / tpm / budget
-(429), then offer it to its pool's queue (usefulwork/gateway/admission/queue.py). Admitted: call
+(429), then offer it to its pool's queue (usefulwork/gateway/admission/queue.py), with the timeout its
+client declares where it does (``CLIENT_TIMEOUT_HEADERS``: answered within it or shed). Admitted: call
 ``next`` (with the class, and whether the tenant is over its fair share, as vLLM's ``priority`` when
 the pool's replicas run ``--scheduling-policy priority``). Queued: wait until a slot frees or the deadline passes. Shed: answer 429 with an OpenAI-style body, ``retry-after`` / ``retry-after-ms``
 and ``x-usefulwork-shed-reason``, at arrival whenever the prediction already says the deadline
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 
 import orjson
 import time
@@ -61,6 +63,11 @@ NO_RETRY_NOW = frozenset(("budget", "tpm_too_large"))
 NO_RETRY = (b"x-should-retry", b"false")
 # The OpenAI SDKs (Python, Node) number each attempt: 0 first, then the retries (a 429's included).
 RETRY_COUNT_HEADER = b"x-stainless-retry-count"
+# How long the client waits for its answer: the OpenAI SDKs send their read timeout in seconds on every
+# request, Envoy its route's timeout in milliseconds to the upstream. A request that cannot be answered
+# within it is shed with its Retry-After at once, not left to the client's timeout in the queue.
+CLIENT_TIMEOUT_HEADERS = ((b"x-stainless-read-timeout", 1.0), (b"x-envoy-expected-rq-timeout-ms", 1e-3))
+CLIENT_TIMEOUT_SHARE = 0.95  # of it the gateway budgets for (the client's clock started before ours)
 _MESSAGES = {
     "predicted_wait": "the {pool} pool is at capacity: this request cannot start within its deadline; retry after the given time",
     "deadline": "the {pool} pool is at capacity: this request's deadline passed while it was queued",
@@ -72,6 +79,23 @@ _MESSAGES = {
     "tpm_too_large": "this request needs more tokens than tenant {tenant!r}'s tokens-per-minute limit allows",
     "budget": "tenant {tenant!r} has spent its budget for today (UTC)",
 }
+
+
+def client_timeout_s(call: Call) -> float | None:
+    """The shortest wait for its answer the client declares (``CLIENT_TIMEOUT_HEADERS``); None where it
+    declares none. A malformed, non-positive or non-finite value is ignored: a hint, not part of the API."""
+    out = None
+    for name, scale in CLIENT_TIMEOUT_HEADERS:
+        raw = call.header(name)
+        if raw is None:
+            continue
+        try:
+            v = float(raw) * scale
+        except ValueError:
+            continue
+        if 0.0 < v < math.inf and (out is None or v < out):
+            out = v
+    return out
 
 
 def _retried(raw: bytes | None) -> int | None:
@@ -236,6 +260,9 @@ class AdmissionFilter:
         t = Ticket(ctx.tenant, cls, float(tokens), now, now + self.deadline_s[cls], max_tokens=max_tokens,
                    key=hash((ctx.tenant, raw)) or 1,  # a retry sends the same body: it finds its reserved place
                    stream=ctx.stream, retried=_retried(call.header(RETRY_COUNT_HEADER)))
+        timeout = client_timeout_s(call)
+        if timeout is not None:
+            t.gone_at = now + CLIENT_TIMEOUT_SHARE * timeout
         decision = queue.offer(t, now)
         if decision.kind == "shed" and tenant_cfg.degrade is not None:
             queue, decision = self._degrade(call, queue, t, decision, tenant_cfg.degrade, now)

@@ -123,6 +123,9 @@ class Ticket:
     first_token_at: float | None = None  # a stream's first token was sent then (None: not yet, or unary)
     prefill_ahead: float = 0.0  # prefills pending per replica ahead of it when admitted
     low_band: bool = False  # admitted below the top band (a lower class, or its tenant over its share)
+    # The client gives up then (the timeout it declares: filter.CLIENT_TIMEOUT_HEADERS): a stream's first
+    # token, a unary answer's whole body must come before. None: it declares none.
+    gone_at: float | None = None
 
     @property
     def priority(self) -> str:
@@ -491,7 +494,13 @@ class PoolQueue:
         b = self.ttft_budget(t, now)
         if self.e2e_slo_s is not None and t.deadline - t.arrival <= self.e2e_slo_s:
             b = min(b, t.arrival + self.e2e_slo_s - now - self.capacity.est_e2e(t.max_tokens))
+        if t.gone_at is not None:
+            b = min(b, t.gone_at - now - self._first_bytes(t))
         return b
+
+    def _first_bytes(self, t: Ticket) -> float:
+        """Service time until ``t``'s client sees its first bytes: a stream's first token, a unary answer."""
+        return self.est_ttft(t.cls, t.tenant) if t.stream else self.capacity.est_e2e(t.max_tokens)
 
     def est_ttft(self, cls: int, tenant: str | None = None) -> float:
         """Service TTFT a ticket of class ``cls`` dispatched now should budget for: the measured one
@@ -910,6 +919,8 @@ class PoolQueue:
         latest = t.deadline - self.est_ttft(t.cls, t.tenant)
         if self.e2e_slo_s is not None and t.deadline - t.arrival <= self.e2e_slo_s:
             latest = min(latest, t.arrival + self.e2e_slo_s - self.capacity.est_e2e(t.max_tokens))
+        if t.gone_at is not None:
+            latest = min(latest, t.gone_at - self._first_bytes(t))
         return latest
 
     def expire(self, now: float) -> list[Ticket]:
