@@ -293,7 +293,8 @@ def test_a_queued_request_is_answered_429_before_the_timeout_its_client_declares
     call = make_call(f)
     call.headers.append((b"x-stainless-read-timeout", b"2.0"))
     reply, waited = queued_behind_one_that_never_ends(f, call)
-    assert reply.status == 429 and reply.header(b"x-usefulwork-shed-reason") == b"deadline"
+    assert reply.status == 429 and reply.header(b"x-usefulwork-shed-reason") == b"client_timeout"
+    assert "timeout its client declared" in orjson.loads(reply.body)["error"]["message"]
     assert int(reply.header(b"retry-after-ms")) > 0
     assert 1.5 <= waited < 2.0
 
@@ -420,11 +421,13 @@ def test_answers_teach_the_pool_the_length_a_large_max_tokens_is_priced_at():
     assert len(cap.recent_out) == 20 and cap.est_output(4096) == 37  # the backend's count, not max_tokens
 
 
-@pytest.mark.parametrize("op", ["chat", "responses"])
-def test_degrade_caps_max_tokens_instead_of_shedding(op):
+@pytest.mark.parametrize("op, by", [("chat", "slo"), ("responses", "slo"), ("chat", "client")])
+def test_degrade_caps_max_tokens_instead_of_shedding(op, by):
+    """The E2E SLO (3 s), or the timeout the client declares (3 s, under a 60 s SLO), leaves no time for a
+    1000-token answer: the tenant's policy caps it at 8 tokens instead of a 429."""
     tenants = {"t": {"key_hashes": [hash_key("k")], "degrade": {"max_tokens": 8}}}
     f = make_filter(make_cfg(admission={"initial_concurrency": 1, "max_concurrency": 1}, tenants=tenants,
-                             slo={"ttft_ms": 2000, "e2e_ms": 3000}))
+                             slo={"ttft_ms": 2000, "e2e_ms": 3000 if by == "slo" else 60000}))
 
     async def go():
         be = Backend(hold=True)
@@ -433,6 +436,8 @@ def test_degrade_caps_max_tokens_instead_of_shedding(op):
         cap = f.queues["p"].capacity
         cap.service, cap.svc_ttft, cap.tpot = 0.5, 0.1, 0.02  # a 1000-token answer needs 20 s; 8 tokens 0.24 s
         call = make_call(f, tenant="t", max_tokens=1000, op=op)
+        if by == "client":
+            call.headers.append((b"x-stainless-read-timeout", b"3"))
         task = asyncio.create_task(f(call, Backend()))
         await asyncio.sleep(0.01)
         be.gates[0].set()

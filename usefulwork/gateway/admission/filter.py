@@ -71,6 +71,8 @@ CLIENT_TIMEOUT_SHARE = 0.95  # of it the gateway budgets for (the client's clock
 _MESSAGES = {
     "predicted_wait": "the {pool} pool is at capacity: this request cannot start within its deadline; retry after the given time",
     "deadline": "the {pool} pool is at capacity: this request's deadline passed while it was queued",
+    "client_timeout": "the {pool} pool is at capacity: this request cannot be answered within the timeout its client "
+                      "declared; retry after the given time, or allow a longer timeout",
     "overtaken": "the {pool} pool is at capacity: higher-priority work overtook this request and it can no longer start within its deadline",
     "queue_full": "the {pool} pool's queue is full",
     "sheddable": "the {pool} pool is busy and the request is sheddable",
@@ -311,7 +313,7 @@ class AdmissionFilter:
     # -- decisions --
     def _degrade(self, call: Call, queue: PoolQueue, t: Ticket, decision, policy, now: float):
         """Try the tenant's allowed degradations in order: cap max_tokens, then a cheaper pool."""
-        if policy.max_tokens is not None and decision.reason == "predicted_wait" and \
+        if policy.max_tokens is not None and decision.reason in ("predicted_wait", "client_timeout") and \
                 (t.max_tokens is None or t.max_tokens > policy.max_tokens):
             queue.shed_total[decision.reason] -= 1
             t.max_tokens = policy.max_tokens

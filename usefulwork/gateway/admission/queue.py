@@ -490,12 +490,17 @@ class PoolQueue:
         return t.deadline - now - self.est_ttft(t.cls, t.tenant)
 
     def budget(self, t: Ticket, now: float) -> float:
-        """How long ``t`` may wait and still meet its TTFT deadline and the E2E SLO."""
+        """How long ``t`` may wait and still meet its TTFT deadline and the E2E SLO (and be answered before
+        its client gives up, where it says when)."""
+        b = self._slo_budget(t, now)
+        if t.gone_at is not None:
+            b = min(b, t.gone_at - now - self._first_bytes(t))
+        return b
+
+    def _slo_budget(self, t: Ticket, now: float) -> float:
         b = self.ttft_budget(t, now)
         if self.e2e_slo_s is not None and t.deadline - t.arrival <= self.e2e_slo_s:
             b = min(b, t.arrival + self.e2e_slo_s - now - self.capacity.est_e2e(t.max_tokens))
-        if t.gone_at is not None:
-            b = min(b, t.gone_at - now - self._first_bytes(t))
         return b
 
     def _first_bytes(self, t: Ticket) -> float:
@@ -565,7 +570,9 @@ class PoolQueue:
         if t.cls == 2:  # sheddable: only ever fills a free slot
             return self._shed(t, "sheddable", wait or 0.0, now)
         if wait is not None and wait > QUEUE_SAFETY * budget:
-            return self._shed(t, "predicted_wait", wait, now)
+            # (where the SLO alone would have let it wait, its client's own timeout is why: it may allow more)
+            slo_ok = t.gone_at is not None and wait <= QUEUE_SAFETY * self._slo_budget(t, now)
+            return self._shed(t, "client_timeout" if slo_ok else "predicted_wait", wait, now)
         self._enqueue(t)
         woken = self.pump(now)  # slots may be free (the prediction counted held places as work ahead)
         if t.state == "admitted":
@@ -916,11 +923,15 @@ class PoolQueue:
         """The last dispatch time at which ``t`` still expects to meet its deadline and, for a class
         whose deadline is within the E2E SLO, the E2E SLO with the full pool's service time (a start
         that makes the TTFT deadline can still finish late: those were most of a burst's late answers)."""
+        latest = self._slo_latest(t)
+        if t.gone_at is not None:
+            latest = min(latest, t.gone_at - self._first_bytes(t))
+        return latest
+
+    def _slo_latest(self, t: Ticket) -> float:
         latest = t.deadline - self.est_ttft(t.cls, t.tenant)
         if self.e2e_slo_s is not None and t.deadline - t.arrival <= self.e2e_slo_s:
             latest = min(latest, t.arrival + self.e2e_slo_s - self.capacity.est_e2e(t.max_tokens))
-        if t.gone_at is not None:
-            latest = min(latest, t.gone_at - self._first_bytes(t))
         return latest
 
     def expire(self, now: float) -> list[Ticket]:
@@ -934,7 +945,7 @@ class PoolQueue:
                 self._remove(t)
                 self._admit(t, now)
             else:
-                self._drop(t, "deadline", now)
+                self._drop(t, "client_timeout" if t.gone_at is not None and self._slo_latest(t) > now else "deadline", now)
         return out
 
     def _overshoot_ok(self, t: Ticket) -> bool:
