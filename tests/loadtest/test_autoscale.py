@@ -140,7 +140,7 @@ def test_clients_set_each_requests_tenant_and_retries_and_the_first_retry_is_rec
     assert sim.queue.retries_honoured == sum(q.attempts - 1 for q in retried)  # every retry found its place
     # (clients that retry number their attempts, as the OpenAI SDKs do; the load generator's that never
     # retry do not, as the loadtest's client that does not honour Retry-After sends no number)
-    assert sim.queue.numbered == {"gone": False, "back": True}
+    assert sim.queue.numbered == {"gone": 0.0, "back": 1.0}
 
 
 def test_most_first_retries_of_the_burst_retry_cell_are_admitted():

@@ -1140,11 +1140,27 @@ def test_on_a_slow_pool_a_tenant_whose_clients_number_their_attempts_has_its_pla
     first_retries, admitted_first, _ = _run_with_retries(q, "a", arrivals, retry=True, service=service,
                                                          max_retries=2, numbered=numbered)
     assert first_retries >= 20
-    assert q.stats(100.0)["retry_clients_numbered"] == {"a": numbered}  # (shown in /usefulwork/stats)
+    assert q.stats(100.0)["retry_clients_numbered"] == {"a": float(numbered)}  # (shown in /usefulwork/stats)
     if numbered:
-        assert q.numbered["a"] and admitted_first / first_retries >= 0.9
+        assert admitted_first / first_retries >= 0.9
     else:
-        assert not q.numbered["a"] and admitted_first / first_retries < 0.8
+        assert admitted_first / first_retries < 0.8
+
+
+def test_a_tenant_with_both_kinds_of_client_starts_from_a_prior_in_proportion_not_its_last_sheds():
+    """An application whose SDK clients number their attempts beside scripts that do not: its return prior
+    is between the two priors in proportion to its shed requests of each kind, and one shed does not flip
+    it (it followed the tenant's last shed: 1.0 after a numbered one, 0.5 after the other)."""
+    q = make_queue(limit=1, service_s=10.0)  # one slot, held 10 s: every other request is shed
+    q.offer(ticket(0.0), 0.0)
+    rates = []
+    for i in range(40):
+        t = ticket(0.1 * i)
+        t.key, t.retried = 100 + i, (0 if i % 2 else None)  # (every other client numbers its first attempt)
+        assert q.offer(t, 0.1 * i).kind == "shed"
+        rates.append(q.return_rate("a"))
+    assert not q.returns  # (no held place has ended: the prior alone)
+    assert all(0.6 < r < 0.9 for r in rates[-10:]) and max(rates[-10:]) - min(rates[-10:]) < 0.05
 
 
 def test_the_place_after_a_clients_last_retry_is_learnt_as_a_ghost():

@@ -53,7 +53,8 @@ class AdmissionCfg(BaseModel):
                                       "first wave better and holds more places for a tenant whose clients never return.")
     retry_return_prior_numbered: float = Field(1.0, ge=0, le=1, description="The same, for a tenant whose shed clients "
                                                "number their attempts (`x-stainless-retry-count`, as the OpenAI SDKs do: "
-                                               "they retry a 429 after its Retry-After unless told not to).")
+                                               "they retry a 429 after its Retry-After unless told not to); a tenant "
+                                               "with both kinds of client starts between the two, in proportion.")
     redis_url: str | None = Field(None, description="Redis shared by all gateway processes for rate limits and budgets "
                                   "(None: per-process limits).")
     redis_prefix: str = Field("usefulwork:admission", description="Prefix of the Redis keys.")

@@ -35,7 +35,9 @@ Retry-After, so they came back together into room for one or two. A tenant not s
 ``return_prior`` (0.5: no evidence either way; 1.0 spread a retrying tenant's first wave best but held
 places for clients that never return: 99 more requests failed in the autoscale what-if's day). A tenant
 whose clients number their attempts (``Ticket.retried``: the OpenAI SDKs' ``x-stainless-retry-count``;
-they retry a 429 by default) starts at ``return_prior_numbered`` (1.0) instead: where a slot is held
+they retry a 429 by default) starts at ``return_prior_numbered`` (1.0) instead (a tenant with both kinds of
+client, in proportion to the share of its shed requests whose clients numbered them, older sheds
+fading at ``RETURN_EWMA`` each: the prior followed its last shed and flipped with it): where a slot is held
 longer than a burst lasts (10-20 s on the real CPU vLLM), no held place ends before the whole first wave
 is told its Retry-After, and priced at half it was promised twice the places there were (first retries
 admitted on four recorded real runs' replicas 57-72% -> 81-98%; docs/benchmarks.md section 7, session 45).
@@ -180,7 +182,7 @@ class PoolQueue:
     _unclaimed: Counter[tuple[str, int]] = field(default_factory=Counter)  # the same -> places let go, not learnt yet
     return_prior: float = 0.5  # return rate of a tenant with no ended reservation yet
     return_prior_numbered: float = 1.0  # the same, for a tenant whose clients number their attempts
-    numbered: dict[str, bool] = field(default_factory=dict)  # tenant -> its last shed request's client numbered its attempts
+    numbered: dict[str, float] = field(default_factory=dict)  # tenant -> share of its shed requests whose clients numbered their attempts (decayed)
     return_prior_weight: float = 1.0  # how many ended reservations the prior counts as (one: the first outcomes decide)
     returns: dict[str, tuple[float, float]] = field(default_factory=dict)  # tenant -> (taken back, ended), decayed
     returns_by_count: dict[tuple[str, int], tuple[float, float]] = field(default_factory=dict)  # (tenant, shed count) -> the same
@@ -608,8 +610,10 @@ class PoolQueue:
         if not t.sheds and not t.retried:
             self._shed_at.append(now)
             self.shed_demand(now)  # (pruned here too: nothing may read it)
-        if t.key:  # (whether its clients number their attempts: its return prior, ``return_rate``)
-            self.numbered[t.tenant] = t.retried is not None
+        if t.key:  # (how many of its clients number their attempts: its return prior, ``return_rate``)
+            was = self.numbered.get(t.tenant)
+            now_numbered = float(t.retried is not None)
+            self.numbered[t.tenant] = now_numbered if was is None else was + RETURN_EWMA * (now_numbered - was)
         t.retry_after_s = self._retry_after(t, now)
 
     def _retry_after(self, t: Ticket, now: float) -> float:
@@ -663,7 +667,7 @@ class PoolQueue:
         as the prior: an SDK retries a set number of times, so the place after its last retry is a ghost."""
         back, ended = self.returns.get(tenant, (0.0, 0.0))
         w = self.return_prior_weight
-        prior = self.return_prior_numbered if self.numbered.get(tenant) else self.return_prior
+        prior = self.return_prior + self.numbered.get(tenant, 0.0) * (self.return_prior_numbered - self.return_prior)
         rate = (back + prior * w) / (ended + w)
         if sheds is None:
             return rate
@@ -1108,7 +1112,7 @@ class PoolQueue:
                 "retry_return_rate_by_shed": {
                     k: {str(n): round(self.return_rate(k, n), 3) for (u, n) in sorted(self.returns_by_count) if u == k}
                     for k in self.returns},
-                "retry_clients_numbered": dict(self.numbered),  # (which return prior a tenant starts from)
+                "retry_clients_numbered": {k: round(v, 3) for k, v in self.numbered.items()},  # (its return prior)
                 "shed": dict(self.shed_total), "shed_demand": self.shed_demand(now, prune=False),
                 "capacity": self.capacity.stats(),
                 "fair_share_tokens": {k: round(v, 1) for k, v in self.counters.items()}}
