@@ -59,6 +59,7 @@ class RequestContext:
     t_forwarded: float | None = None  # first sent upstream (GPU work can start)
     t_first_token: float | None = None
     on_first_token: Any = None  # called once, with no argument, when a stream's first event is sent (admission)
+    on_answer: Any = None  # called with no argument just before the response's last bytes, usage booked (a cascade's discarded tier)
     t_end: float | None = None
     chunks: int = 0  # content-bearing SSE events forwarded
     closing: bool = False  # the final response message is being sent: a disconnect now is not a cancel

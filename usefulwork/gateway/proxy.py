@@ -310,6 +310,8 @@ class Endpoint:
         ctx.closing = True  # a disconnect from here on is not a cancel
         if reply is not None:
             book_usage(ctx, reply.usage)
+        if ctx.on_answer is not None:  # (a filter's last fields of the record, so the row holds them)
+            ctx.on_answer()
         ctx.outcome = classify(ctx.status_code)
         ctx.t_end = time.perf_counter()
         self.intake.accountant.answered(ctx)

@@ -111,6 +111,8 @@ async def test_a_request_is_journaled_before_its_last_response_bytes_are_written
 
     async def handler(call):
         kind = call.ctx.client_request_id
+        if kind == "late":  # a filter that sets a field of the record at the end (a cascade's discarded tier)
+            call.ctx.on_answer = lambda: setattr(call.ctx, "discarded_tokens", call.ctx.prompt_tokens + 5)
         if kind == "shed":
             raise GatewayError(429, "over capacity", code="shed", headers=[(b"retry-after", b"3")])
         if kind == "stream":
@@ -123,7 +125,7 @@ async def test_a_request_is_journaled_before_its_last_response_bytes_are_written
     acc = make_accountant(sinks=[_Flaky()], journal_dir=tmp_path)[0]  # the sink refuses: nothing is acked
     await acc.start()
     ep = Endpoint(Intake(acc.fleet, acc, Tenants(acc.cfg), handler, max_body=1 << 20, body_timeout_s=5), CHAT)
-    for kind, status, outcome in (("unary", 200, "ok"), ("stream", 200, "ok"), ("shed", 429, "shed")):
+    for kind, status, outcome in (("unary", 200, "ok"), ("stream", 200, "ok"), ("shed", 429, "shed"), ("late", 200, "ok")):
         seen: list[list | None] = []
         c = Client(b'{"model":"s","messages":[{"role":"user","content":"hi"}]}', [(b"x-request-id", kind.encode())])
         send = c.send
@@ -141,8 +143,9 @@ async def test_a_request_is_journaled_before_its_last_response_bytes_are_written
         assert (r.client_request_id, r.status_code, r.outcome) == (kind, status, outcome)
         if status == 200:
             assert (r.prompt_tokens, r.completion_tokens) == (7, 2)
+        assert r.discarded_tokens == (12 if kind == "late" else 0)  # (set in ctx.on_answer: in the row too)
     lines = b"".join(p.read_bytes().split(b"\0", 1)[0] for p in tmp_path.glob("*.jsonl")).splitlines()
-    assert acc.journal.pending == 3 and len(lines) == 3  # one row each: the finish found nothing changed
+    assert acc.journal.pending == 4 and len(lines) == 4  # one row each: the finish found nothing changed
     await acc.stop()
 
 

@@ -192,7 +192,9 @@ async def test_gate_escalates_an_unsure_answer_and_accounts_the_discarded_work(s
     c = call_for("auto", "Prove Fermat's last theorem.")
     reply = await f(c, forward)
     obj = orjson.loads(reply.body)
-    await reply.aclose()
+    c.ctx.on_answer()  # (as the endpoint calls it just before the last bytes: the journal's row holds them)
+    assert c.ctx.discarded_tokens > 0
+    await reply.aclose()  # (booked once: the closer finds them booked)
     assert obj["model"] == "large-model" and obj["choices"][0]["logprobs"] is None
     assert sent[-1][1].get("logprobs") is None and sent[-2][1]["model"] == "small-model"
     assert c.ctx.escalated and c.ctx.route == "auto:large" and "mean logprob" in c.ctx.route_reason

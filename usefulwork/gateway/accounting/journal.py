@@ -30,9 +30,10 @@ records again (consumers dedupe on ``id``).
 
 The row goes before the last write, not after: a client woken by its answer may run first on the
 CPU and kill the gateway before the gateway's next microseconds (1 of 60 records lost in CI; 5 of 32
-runs of the SIGKILL test under CPU load lost one). What it cannot save: a change a request's closers
-make after its last write (a cascade's discarded tier) when the kill lands in between, and anything
-on a machine that loses its page cache (power, kernel crash). Two designs measured and
+runs of the SIGKILL test under CPU load lost one). A filter that sets fields of the record late does so
+in ``ctx.on_answer``, which runs before the row (a cascade's discarded tier). What it cannot save: a
+change a request's closers make after its last write when the kill lands in between, and anything on a
+machine that loses its page cache (power, kernel crash). Two designs measured and
 left (docs/benchmarks.md section 12): a ``write`` per row cost 23-27 us of gateway CPU per request at
 c=16 (ext4 stalls now and then: p99 56 us, max 2.5 ms per write); one ``write`` per event-loop
 iteration lost 1 of 1,000 answered requests in one of two SIGKILL runs (the iteration's other

@@ -160,7 +160,15 @@ class RouterFilter:
         reply = await next(call)
         prices = cascade.small.cfg.prices
 
-        def account() -> None:  # runs when the large answer closes: ctx then holds its usage
+        booked = False
+
+        def account() -> None:
+            # Just before the large answer's last bytes (ctx then holds its usage), so the journal's row
+            # holds the discarded tier too; or when the reply closes, if no answer was sent (a client gone).
+            nonlocal booked
+            if booked:
+                return
+            booked = True
             pt = ctx.prompt_tokens if prompt_tokens is None else prompt_tokens  # a stream cut early: same prompt
             ctx.discarded_tokens = int(pt) + completion_tokens
             ctx.discarded_cost_usd = ((prices.input_per_1m or 0.0) * pt + (prices.output_per_1m or 0.0)
@@ -170,6 +178,7 @@ class RouterFilter:
             if self._otel:
                 self._otel.discarded.add(ctx.discarded_cost_usd, {"virtual_model": cascade.vm.name})
 
+        ctx.on_answer = account
         reply.on_close(account)
         return reply
 
