@@ -166,8 +166,8 @@ class RouterFilter:
             # Just before the large answer's last bytes (ctx then holds its usage), so the journal's row
             # holds the discarded tier too; or when the reply closes, if no answer was sent (a client gone).
             nonlocal booked
-            if booked:
-                return
+            if booked or (prompt_tokens is None and not ctx.prompt_tokens):
+                return  # (a stream's usage comes with the relay's end, after its last bytes: booked at close)
             booked = True
             pt = ctx.prompt_tokens if prompt_tokens is None else prompt_tokens  # a stream cut early: same prompt
             ctx.discarded_tokens = int(pt) + completion_tokens
