@@ -493,17 +493,8 @@ class PoolQueue:
 
     def budget(self, t: Ticket, now: float) -> float:
         """How long ``t`` may wait and still meet its TTFT deadline and the E2E SLO (and be answered before
-        its client gives up, where it says when)."""
-        b = self._slo_budget(t, now)
-        if t.gone_at is not None:
-            b = min(b, t.gone_at - now - self._first_bytes(t))
-        return b
-
-    def _slo_budget(self, t: Ticket, now: float) -> float:
-        b = self.ttft_budget(t, now)
-        if self.e2e_slo_s is not None and t.deadline - t.arrival <= self.e2e_slo_s:
-            b = min(b, t.arrival + self.e2e_slo_s - now - self.capacity.est_e2e(t.max_tokens))
-        return b
+        its client gives up, where it says when): until its ``latest_start``."""
+        return self.latest_start(t) - now
 
     def _first_bytes(self, t: Ticket) -> float:
         """Service time until ``t``'s client sees its first bytes: a stream's first token, a unary answer."""
@@ -573,7 +564,7 @@ class PoolQueue:
             return self._shed(t, "sheddable", wait or 0.0, now)
         if wait is not None and wait > QUEUE_SAFETY * budget:
             # (where the SLO alone would have let it wait, its client's own timeout is why: it may allow more)
-            slo_ok = t.gone_at is not None and wait <= QUEUE_SAFETY * self._slo_budget(t, now)
+            slo_ok = t.gone_at is not None and wait <= QUEUE_SAFETY * (self._slo_latest(t) - now)
             return self._shed(t, "client_timeout" if slo_ok else "predicted_wait", wait, now)
         self._enqueue(t)
         woken = self.pump(now)  # slots may be free (the prediction counted held places as work ahead)
