@@ -40,16 +40,16 @@ class Canned:
 
     async def _handle(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         try:
-            head = await r.readuntil(b"\r\n\r\n")
-            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                           if line.lower().startswith(b"content-length:")), 0)
-            self.requests.append(head + await r.readexactly(length))
-            w.write(self.answer)
-            await w.drain()
-            if self.cut:
-                w.transport.abort()
-                return
-            await r.read()  # keep-alive: wait for the client to go
+            while True:  # keep-alive: the same answer to each request on the connection, until the client goes
+                head = await r.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                self.requests.append(head + await r.readexactly(length))
+                w.write(self.answer)
+                await w.drain()
+                if self.cut:
+                    w.transport.abort()
+                    return
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
@@ -147,7 +147,13 @@ async def test_stream_relays_events_notes_usage_and_strips_it_when_not_asked():
         fleet = fleet_of(up.url)
         call = make_call(fleet, stream=True)
         reply = await Forwarder(fleet, build_pickers(fleet.cfg, fleet))(call)
-        out = b"".join([c async for c in reply.chunks])
+        parts, at_end = [], None
+        async for c in reply.chunks:
+            parts.append(c)
+            if c.endswith(b"data: [DONE]\n\n"):
+                at_end = reply.usage  # what the endpoint books just before it writes the end event
+        out = b"".join(parts)
+        assert at_end == orjson.loads(usage)["usage"]  # known before the last write, not only at the relay's end
         assert fleet.replicas[0].inflight == 1  # the lease is held until the reply is closed
         await reply.aclose()
         assert fleet.replicas[0].inflight == 0

@@ -185,9 +185,13 @@ class Forwarder:
             while (chunk := await resp.read_chunk()) is not None:
                 out = filt.feed(chunk)
                 if out:
+                    # usage comes in the event before the end event, often in the same chunk: the reply
+                    # holds it before that chunk goes out, so the journal's row at the last write does too
+                    reply.usage = filt.usage
                     yield out
             tail = filt.flush()
             if tail:
+                reply.usage = filt.usage
                 yield tail
             if not filt.done:
                 raise UpstreamClosed("upstream closed the stream before it ended")

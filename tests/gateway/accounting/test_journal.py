@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import os
 
+import orjson
+
 from usefulwork.gateway.accounting.journal import Journal
 from usefulwork.gateway.context import RequestContext
 
@@ -95,37 +97,43 @@ async def test_a_request_is_journaled_before_its_last_response_bytes_are_written
     """A SIGKILL sent as soon as the client had its whole answer lost that request's record (CI, session
     45: 1 of 60 in tests/e2e/test_reliability.py): its row was written after the response's last write,
     and the OS may run the woken client, which sends the kill, before the gateway's next microseconds.
-    Now the row is in the file when the last bytes (a body, a stream's end event, a shed's 429) go out."""
+    Now the row is in the file when the last bytes (a body, a stream's end event, a shed's 429) go out.
+    The stream goes through the real forwarder: its usage event comes just before the end event, and the
+    row at the end event holds it (before, the reply took it only when the relay ended, after that write)."""
     from tests.gateway.accounting.test_ledger import make_accountant
     from tests.gateway.test_proxy import CHAT, Client
     from usefulwork.gateway.errors import GatewayError
     from usefulwork.gateway.pipeline import Reply
     from usefulwork.gateway.proxy import Endpoint, Intake
+    from tests.upstream.test_forwarder import Canned, fleet_of, sse
     from usefulwork.gateway.tenants import Tenants
+    from usefulwork.upstream.forwarder import Forwarder
+    from usefulwork.upstream.pickers import build_pickers
 
     usage = {"prompt_tokens": 7, "completion_tokens": 2}
-
-    async def chunks():
-        yield b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n'
-        yield b'data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":2}}\n\ndata: [DONE]\n\n'
+    upstream = Canned(sse([b'{"choices":[{"delta":{"content":"a"}}]}', b'{"choices":[],"usage":'
+                           + orjson.dumps(usage) + b'}']))
+    await upstream.__aenter__()
+    fleet = fleet_of(upstream.url)
+    forward = Forwarder(fleet, build_pickers(fleet.cfg, fleet))
 
     async def handler(call):
         kind = call.ctx.client_request_id
-        if kind == "late":  # a filter that sets a field of the record at the end (a cascade's discarded tier)
+        if kind in ("late", "stream-late"):  # a filter that sets a field of the record at the end (a cascade's)
             call.ctx.on_answer = lambda: setattr(call.ctx, "discarded_tokens", call.ctx.prompt_tokens + 5)
         if kind == "shed":
             raise GatewayError(429, "over capacity", code="shed", headers=[(b"retry-after", b"3")])
-        if kind == "stream":
-            call.ctx.stream = True
-            reply = Reply(200, [(b"content-type", b"text/event-stream")], chunks=chunks())
-            reply.usage = usage
-            return reply
+        if kind.startswith("stream"):
+            call.ctx.stream, call.pool = True, fleet.pool_for_model("m")
+            return await forward(call)
         return Reply(200, [(b"content-type", b"application/json")], body=b'{"ok":1}', usage=usage)
 
     acc = make_accountant(sinks=[_Flaky()], journal_dir=tmp_path)[0]  # the sink refuses: nothing is acked
     await acc.start()
     ep = Endpoint(Intake(acc.fleet, acc, Tenants(acc.cfg), handler, max_body=1 << 20, body_timeout_s=5), CHAT)
-    for kind, status, outcome in (("unary", 200, "ok"), ("stream", 200, "ok"), ("shed", 429, "shed"), ("late", 200, "ok")):
+    kinds = (("unary", 200, "ok"), ("stream", 200, "ok"), ("shed", 429, "shed"), ("late", 200, "ok"),
+             ("stream-late", 200, "ok"))
+    for kind, status, outcome in kinds:
         seen: list[list | None] = []
         c = Client(b'{"model":"s","messages":[{"role":"user","content":"hi"}]}', [(b"x-request-id", kind.encode())])
         send = c.send
@@ -143,10 +151,12 @@ async def test_a_request_is_journaled_before_its_last_response_bytes_are_written
         assert (r.client_request_id, r.status_code, r.outcome) == (kind, status, outcome)
         if status == 200:
             assert (r.prompt_tokens, r.completion_tokens) == (7, 2)
-        assert r.discarded_tokens == (12 if kind == "late" else 0)  # (set in ctx.on_answer: in the row too)
+        assert r.discarded_tokens == (12 if kind.endswith("late") else 0)  # (set in ctx.on_answer: in the row)
     lines = b"".join(p.read_bytes().split(b"\0", 1)[0] for p in tmp_path.glob("*.jsonl")).splitlines()
-    assert acc.journal.pending == 4 and len(lines) == 4  # one row each: the finish found nothing changed
+    assert acc.journal.pending == 5 and len(lines) == 5  # one row each: the finish found nothing changed
     await acc.stop()
+    await upstream.__aexit__()
+    await fleet.stop()
 
 
 class _Flaky:

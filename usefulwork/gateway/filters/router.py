@@ -167,7 +167,7 @@ class RouterFilter:
             # holds the discarded tier too; or when the reply closes, if no answer was sent (a client gone).
             nonlocal booked
             if booked or (prompt_tokens is None and not ctx.prompt_tokens):
-                return  # (a stream's usage comes with the relay's end, after its last bytes: booked at close)
+                return  # (the large answer's prompt count is not known yet: booked at close, from ctx)
             booked = True
             pt = ctx.prompt_tokens if prompt_tokens is None else prompt_tokens  # a stream cut early: same prompt
             ctx.discarded_tokens = int(pt) + completion_tokens
