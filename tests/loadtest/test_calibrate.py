@@ -19,7 +19,7 @@ backend:
   time_scale: 1
   gpu: {{type: {gpu}, count: 1, usd_per_hour: 3.5}}
 slo: {{ttft_ms: 2000, tpot_ms: 100, e2e_ms: 5000, attainment: 0.95}}
-calibrate: {{sized_for_rps: 11, concurrency: 16, concurrency_far: 32}}
+calibrate: {{sized_for_rps: 11, concurrency: 16}}
 profiles:
   optimized-batched: {{sim_profile: optimized-batched}}
 cases:
@@ -52,9 +52,6 @@ def test_the_probe_estimates_the_simulated_servers_capacity_and_scales_every_rat
     # at once fill four 2,048-token steps of ~0.2 s
     assert 0.02 < p["prefill_s"] < 0.2 and 0.005 < p["decode_1_s"] < 0.03 and p["decode_n_s"] >= p["decode_1_s"]
     assert 0.5 < p["together_first_s"] < 1.2 and p["prompt_tokens"] == 512
-    # and 32 at once: a wider decode step, fitted as the cost of each sequence beyond 16
-    assert p["concurrency_far"] == 32 and p["decode_far_s"] > p["decode_n_s"]
-    assert cal["step_model"]["near_seqs"] == 16 and cal["step_model"]["per_seq_far_s"] > 0
     assert cal["at_capacity"]["attainment"] >= 0.95 and cal["step_model"]["per_token2_s"] > 0
     # the admission experiment measures this server's capacity at this SLO: 11.13 req/s (docs/benchmarks.md)
     assert 7.0 < cal["estimated_capacity_rps"] < 16.0
@@ -144,35 +141,11 @@ def test_the_step_model_is_fitted_from_the_probe():
     assert m.per_token2_s == 0 and m.per_token_s == pytest.approx(b + q * 512)
 
 
-def test_a_wider_batch_probed_gives_the_decode_cost_where_capacity_binds():
-    """A CPU's decode step grows more slowly past a few sequences than the line through one and eight says.
-    This session's AMX host (session 48): 38 ms a token alone, 55 with 8, 97 with 32, where the line says
-    113. Its cells then ran at 1.13 and 1.51 req/s (the old probe's estimate: 1.0 with the 15% margin) and
-    met the SLO for 37 of 37 and 51 of 51 (p95 TPOT 75 and 120 ms), so its burst, sized as ~1.7x the
-    estimate, was no overload. The fit takes the wide batch's slope beyond eight sequences."""
-    near = dict(prefill_s=0.2181, decode_1_s=0.03821, concurrency=8, decode_n_s=0.05489, output_tokens=128,
-                base_s=0.04868, prompt_tokens=512, together_first_s=1.6311)
-    line, bent = Probe(**near), Probe(**near, concurrency_far=32, decode_far_s=0.09747)
-    m = calibrate.StepModel.fit(bent)
-    assert (m.near_seqs, m.per_seq_s) == (8, pytest.approx(bent.slope))
-    for n, want in ((1, 0.03821), (8, 0.05489), (32, 0.09747)):  # the three probed steps come back
-        assert m.step_s + m.seq_seconds(n) == pytest.approx(want)
-    assert calibrate.StepModel.fit(line).seq_seconds(32) > m.seq_seconds(32) + 0.01
-    slow = m.slower(0.15)
-    assert (slow.near_seqs, slow.step_s + slow.seq_seconds(32)) == (8, pytest.approx(1.15 * 0.09747))
-    est = [calibrate.capacity(p, *CPU_SLO, requests=300, seeds=(0,), margin=0.15) for p in (line, bent)]
-    assert est[1] > 1.1 * est[0]  # (1.24 against 1.09 req/s)
-    # the cell at 1.51 req/s met the SLO with a p95 TPOT of 120 ms: as probed, the bent model holds it too
-    assert calibrate.simulate(bent, 1.51, CPU_SLO, requests=300)["p95_tpot_s"] < 0.15
-
-
 def test_bad_calibrate_blocks_name_the_field(tmp_path):
     for bad in ("{sized_for_rps: 0}", "{sized_for_rps: fast}", "{sized_for_rps: 1, concurrency: 1}", "{rps: 1}", "7",
-                "{sized_for_rps: 1, speed_margin: 1.5}", "{sized_for_rps: 1, speed_margin: true}",
-                "{sized_for_rps: 1, concurrency: 8, concurrency_far: 8}", "{sized_for_rps: 1, concurrency_far: 2.5}"):
+                "{sized_for_rps: 1, speed_margin: 1.5}", "{sized_for_rps: 1, speed_margin: true}"):
         f = tmp_path / "bad.yaml"
-        f.write_text(CALIBRATED.format(gpu="A100-80G").replace("{sized_for_rps: 11, concurrency: 16, concurrency_far: 32}",
-                                                                bad))
+        f.write_text(CALIBRATED.format(gpu="A100-80G").replace("{sized_for_rps: 11, concurrency: 16}", bad))
         with pytest.raises(ExperimentError, match="calibrate takes sized_for_rps"):
             load_experiment(str(f))
 

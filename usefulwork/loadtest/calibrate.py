@@ -11,15 +11,10 @@ at ``F = estimated capacity / sized_for_rps`` times the pace (rates x F, duratio
 1. **Probe** (straight to the first profile's backend, before any cell): a one-word prompt (the API's
    own time and one step), one prompt of the first shape alone (its first token ``P``; its token gaps,
    one sequence's decode step ``D(1)``), then ``concurrency`` prompts at once (the time to the last one's
-   first token: full prefill steps; the gaps after it: the step with that many sequences ``D(n)``), and,
-   with ``concurrency_far: N``, N prompts at once (``D(N)``: a step as wide as the server runs near its
-   capacity).
+   first token: full prefill steps; the gaps after it: the step with that many sequences ``D(n)``).
 2. **Step model** (``StepModel.fit``): a step costs ``a + c (sequences in it) + b x + q x^2`` for ``x``
    prompt tokens in it: ``c`` from ``D(n) - D(1)``, ``a`` from ``D(1)``, ``b`` from the lone prompt and
    ``q`` from the prompts sent together (a full step costs more per token than a lone prompt's on a GPU).
-   With ``D(N)``, each sequence beyond ``n`` costs ``c' = (D(N) - D(n)) / (N - n)`` instead of ``c``: a CPU's
-   decode step grows more slowly than the line through one and eight sequences (an AMX host: 39 ms alone,
-   56 with 8, ~75 with 24 in its cells, where that line says 94), and capacity binds at 20-40 sequences.
 3. **Capacity** (``capacity``): the server on the simulator's virtual clock (``sim/engine.py``: vLLM V1's
    scheduler, running sequences first, then waiting prompts in chunks under a 2,048-token budget) with
    those step times, Poisson arrivals of the first shape: the largest rate at which 95% of the requests
@@ -78,8 +73,6 @@ class Probe:
     base_s: float = 0.0  # a lone one-word prompt's time to first token: the API's own time and one step
     prompt_tokens: int = 512
     together_first_s: float = 0.0  # from sending ``concurrency`` prompts at once to the last one's first token
-    concurrency_far: int = 0  # a wider batch's size (0: not probed)
-    decode_far_s: float = 0.0  # the time per token with ``concurrency_far`` sequences decoding together
 
     @property
     def stall_s(self) -> float:
@@ -89,30 +82,20 @@ class Probe:
 
     @property
     def slope(self) -> float:
-        """A decode step's cost per sequence in it (up to ``concurrency`` sequences)."""
+        """A decode step's cost per sequence in it."""
         return max(0.0, (self.decode_n_s - self.decode_1_s) / max(1, self.concurrency - 1))
-
-    @property
-    def far_slope(self) -> float | None:
-        """A decode step's cost per sequence beyond ``concurrency``; None where no wider batch was probed."""
-        if self.concurrency_far <= self.concurrency or self.decode_far_s <= 0:
-            return None
-        return max(0.0, (self.decode_far_s - self.decode_n_s) / (self.concurrency_far - self.concurrency))
 
 
 @dataclass(frozen=True)
 class StepModel:
     """A step's seconds: ``step_s + per_seq_s x sequences + per_token_s x t + per_token2_s x t^2`` for ``t``
-    prompt tokens in it; ``front_end_s``: a request's time in the API before the engine sees it. With
-    ``near_seqs``, each sequence beyond that many costs ``per_seq_far_s`` instead of ``per_seq_s``."""
+    prompt tokens in it; ``front_end_s``: a request's time in the API before the engine sees it."""
 
     step_s: float
     per_seq_s: float
     per_token_s: float
     per_token2_s: float
     front_end_s: float
-    near_seqs: int = 0
-    per_seq_far_s: float = 0.0
 
     @classmethod
     def fit(cls, p: Probe, budget: int = BUDGET_TOKENS) -> StepModel:
@@ -134,24 +117,16 @@ class StepModel:
             if sx2 > n_tok * sx:  # (steps larger than one prompt: else ``q`` is not seen)
                 q = max(0.0, (rest - one / n_tok * sx) / (sx2 - n_tok * sx))
                 b = max(0.0, (one - q * n_tok * n_tok) / n_tok)
-        far = p.far_slope
-        return cls(a, c, b, q, front, *((p.concurrency, far) if far is not None else ()))
+        return cls(a, c, b, q, front)
 
     def slower(self, margin: float) -> StepModel:
         """Every time ``1 + margin`` times as long."""
         f = 1.0 + margin
-        return StepModel(self.step_s * f, self.per_seq_s * f, self.per_token_s * f, self.per_token2_s * f,
-                         self.front_end_s * f, self.near_seqs, self.per_seq_far_s * f)
-
-    def seq_seconds(self, n: int) -> float:
-        """What ``n`` sequences add to a step."""
-        if self.near_seqs and n > self.near_seqs:
-            return self.per_seq_s * self.near_seqs + self.per_seq_far_s * (n - self.near_seqs)
-        return self.per_seq_s * n
+        return StepModel(self.step_s * f, self.per_seq_s * f, self.per_token_s * f, self.per_token2_s * f, self.front_end_s * f)
 
     def seconds(self, plan: Any) -> float:
         t = plan.num_prefill_tokens
-        return self.step_s + self.seq_seconds(len(plan.items)) + self.per_token_s * t + self.per_token2_s * t * t
+        return self.step_s + self.per_seq_s * len(plan.items) + self.per_token_s * t + self.per_token2_s * t * t
 
 
 def engine(model: StepModel, max_len: int, seed: int = 0, scheduling_policy: str = "fcfs") -> SimEngine:
@@ -235,11 +210,11 @@ def _ok(out: RunOutput, want: int) -> list:
 
 
 def probe(url: str, model: str, workload: Workload, concurrency: int, timeout_s: float, tiny: Workload,
-          time_scale: float = 1.0, seed: int = 0, prompt_tokens: int = 512, concurrency_far: int = 0) -> Probe:
+          time_scale: float = 1.0, seed: int = 0, prompt_tokens: int = 512) -> Probe:
     """Measure ``Probe`` on the server at ``url`` with ``workload``'s prompts of ``prompt_tokens`` (``tiny``: a one-word prompt,
     two tokens out; ``time_scale``: a simulator's simulated seconds per wall second, the figures come back
-    in simulated seconds; ``concurrency_far``: a wider batch to probe, 0 for none). Times per token are
-    means over spans (a stream may deliver several tokens in one read), not medians of gaps."""
+    in simulated seconds). Times per token are means over spans (a stream may deliver several tokens in
+    one read), not medians of gaps."""
     from usefulwork.loadtest.experiment import rescale
 
     target = Target(url, model)
@@ -253,21 +228,10 @@ def probe(url: str, model: str, workload: Workload, concurrency: int, timeout_s:
     base = min(base, run(1, seed + 3, tiny)[0], key=lambda r: r.ttft)
     alone = run(1, seed)[0]
     together = run(concurrency, seed + 1)
-    decode_n, first_s = _together(together)
-    far = _together(run(concurrency_far, seed + 4))[0] if concurrency_far > concurrency else 0.0
-    return Probe(prefill_s=alone.ttft, decode_1_s=sum(alone.itl) / len(alone.itl), concurrency=concurrency,
-                 decode_n_s=decode_n, output_tokens=alone.output_tokens or len(alone.itl) + 1, base_s=base.ttft,
-                 prompt_tokens=prompt_tokens, together_first_s=first_s,
-                 concurrency_far=concurrency_far if far else 0, decode_far_s=far)
-
-
-def _together(results: list) -> tuple[float, float]:
-    """Prompts sent at once: the mean time per token once every one of them had its first token (every
-    sequence decoding), and the time from the first send to the last first token."""
-    last_first = max(r.sent + r.ttft for r in results)
-    sent = min(r.sent for r in results)
+    last_first = max(r.sent + r.ttft for r in together)
+    sent = min(r.sent for r in together)
     span, tokens = 0.0, 0
-    for r in results:
+    for r in together:
         t = r.sent + r.ttft
         for g in r.itl:
             if t >= last_first:  # a step begun after every prompt's prefill
@@ -276,7 +240,9 @@ def _together(results: list) -> tuple[float, float]:
             t += g
     if not tokens:
         raise CalibrationError("no token came after the last prompt's prefill: raise output_tokens or lower concurrency")
-    return span / tokens, last_first - sent
+    return Probe(prefill_s=alone.ttft, decode_1_s=sum(alone.itl) / len(alone.itl), concurrency=concurrency,
+                 decode_n_s=span / tokens, output_tokens=alone.output_tokens or len(alone.itl) + 1, base_s=base.ttft,
+                 prompt_tokens=prompt_tokens, together_first_s=last_first - sent)
 
 
 def scale_for(p: Probe, sized_for_rps: float, slo: Any, margin: float = 0.0) -> dict[str, Any]:

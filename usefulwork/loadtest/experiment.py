@@ -237,17 +237,12 @@ def load_experiment(name_or_path: str) -> Experiment:
     cal = raw.get("calibrate")
     if cal is not None:
         margin = cal.get("speed_margin", 0.0) if isinstance(cal, dict) else None
-        near = cal.get("concurrency", 8) if isinstance(cal, dict) else None
-        far = cal.get("concurrency_far", 0) if isinstance(cal, dict) else None
-        if not isinstance(cal, dict) \
-                or set(cal) - {"sized_for_rps", "concurrency", "concurrency_far", "timeout_s", "speed_margin"} \
+        if not isinstance(cal, dict) or set(cal) - {"sized_for_rps", "concurrency", "timeout_s", "speed_margin"} \
                 or not isinstance(cal.get("sized_for_rps"), (int, float)) or cal["sized_for_rps"] <= 0 \
-                or not isinstance(near, int) or near < 2 \
-                or not isinstance(far, int) or isinstance(far, bool) or (far and far <= near) \
+                or not isinstance(cal.get("concurrency", 8), int) or cal.get("concurrency", 8) < 2 \
                 or isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
             raise ExperimentError(f"{src}: calibrate takes sized_for_rps (req/s > 0), and optionally concurrency "
-                                  "(an integer >= 2), concurrency_far (an integer > concurrency), timeout_s and "
-                                  "speed_margin (0 <= m < 1)")
+                                  "(an integer >= 2), timeout_s and speed_margin (0 <= m < 1)")
     exp = Experiment(name=raw.get("name", path.stem), source=src, description=raw.get("description", ""),
                      backend=backend, slo=slo, seed=int(raw.get("seed", 0)), profiles=profiles,
                      shapes=copy.deepcopy(shapes), cases=copy.deepcopy(cases), compare=raw.get("compare") or {}, raw=raw,
@@ -710,14 +705,13 @@ def calibration(exp: Experiment, profile: Profile, url: str, console: Console) -
     p = calibrate.probe(url, served_name(exp), wl, int(cal.get("concurrency", 8)), float(cal.get("timeout_s", 300.0)),
                         workloads.from_spec({"type": "synthetic", "prompt_tokens": 1, "output_tokens": 2}),
                         time_scale(exp, profile), seed=cell_seed(exp.seed, shape["name"], "calibrate"),
-                        prompt_tokens=round(wl.prompt_tokens.expected), concurrency_far=int(cal.get("concurrency_far", 0)))
+                        prompt_tokens=round(wl.prompt_tokens.expected))
     rec = calibrate.scale_for(p, float(cal["sized_for_rps"]), exp.slo, float(cal.get("speed_margin", 0.0)))
     rec["wall_s"] = time.monotonic() - t0
     at = rec["at_capacity"]
     console.print(f"[bold]{profile.name}[/]: calibrated in {rec['wall_s']:.0f}s: prefill {p.prefill_s:.3f}s "
                   f"({p.stall_s:.3f}s of engine), {p.concurrency} prompts' first tokens in {p.together_first_s:.3f}s, "
-                  f"decode {p.decode_1_s * 1e3:.0f} ms/token alone, {p.decode_n_s * 1e3:.0f} with {p.concurrency}"
-                  + (f", {p.decode_far_s * 1e3:.0f} with {p.concurrency_far}" if p.concurrency_far else "") + "; "
+                  f"decode {p.decode_1_s * 1e3:.0f} ms/token alone, {p.decode_n_s * 1e3:.0f} with {p.concurrency}; "
                   f"estimated capacity {rec['estimated_capacity_rps']:.3g} req/s with steps "
                   f"{rec['speed_margin']:.0%} slower than probed (simulated there: "
                   f"{at['attainment']:.1%} within the SLO, p95 TTFT {at['p95_ttft_s']:.2f}s, TPOT "
