@@ -146,6 +146,7 @@ class Capacity:
         self._scrape_times: deque[float] = deque(maxlen=LIVE_SCRAPES)  # when the last scrapes were judged
         self._admits: deque[float] = deque()  # when requests were admitted (their prompts sent), the last minute
         self.live_tpot_peak: float | None = None  # the slowest replica's live figure as read (before ``_lifetime``)
+        self._turnover: tuple[float, float, float] | None = None  # ``_lifetime``'s last pricing: (judged, prefill, share)
         self.live_decreases = 0
         self.service_full: float | None = None  # EWMA of the hold time of those requests
         self.service: float | None = None  # EWMA of a slot's hold time (s)
@@ -471,6 +472,7 @@ class Capacity:
         trip and the answers' mean length. Where it rescales, a cut goes no lower than the limit at which the
         model meets the target (``judge_live``)."""
         pe, out = self.prefill_time(), self.out_mean
+        self._turnover = None
         if pe is None or not out or not self.service or len(self._scrape_times) < 2:
             return live, None
         span = now - self._scrape_times[0]
@@ -480,6 +482,7 @@ class Capacity:
         s_now = min(PREFILL_SHARE_MAX, recent / self.count() * pe / span)
         decode = live * (1.0 - s_now)
         judged = decode + self.limit * pe / out
+        self._turnover = (judged, pe, s_now)
         if judged >= live:
             return live, None
         return judged, (decode, pe / out)
@@ -488,6 +491,10 @@ class Capacity:
         peak = self.live_tpot_peak
         read = (f" (read {peak * 1e3:.0f} ms, a burst's prefills judged at a full pool's)"
                 if peak and round(peak * 1e3) > round(live * 1e3) else "")
+        if not read and self._turnover is not None:  # priced, not rescaled: the figures say why
+            judged, pe, share = self._turnover
+            read = (f" (a full pool's turnover prices {judged * 1e3:.0f} ms: {pe:.2f} s a prefill, "
+                    f"{share:.0%} of the window's time on this gateway's prefills)")
         return f"live decode {live * 1e3:.0f} ms a token{read} over the {self.tpot_target * 1e3:.0f} ms target, {inflight} in flight"
 
     def observe_first_token(self, ttft: float, ahead: float, inflight_at_admit: int = 0,
