@@ -102,61 +102,60 @@ async def test_a_request_is_journaled_before_its_last_response_bytes_are_written
     row at the end event holds it (before, the reply took it only when the relay ended, after that write)."""
     from tests.gateway.accounting.test_ledger import make_accountant
     from tests.gateway.test_proxy import CHAT, Client
+    from tests.upstream.test_forwarder import Canned, fleet_of, sse
     from usefulwork.gateway.errors import GatewayError
     from usefulwork.gateway.pipeline import Reply
     from usefulwork.gateway.proxy import Endpoint, Intake
-    from tests.upstream.test_forwarder import Canned, fleet_of, sse
     from usefulwork.gateway.tenants import Tenants
     from usefulwork.upstream.forwarder import Forwarder
     from usefulwork.upstream.pickers import build_pickers
 
     usage = {"prompt_tokens": 7, "completion_tokens": 2}
-    upstream = Canned(sse([b'{"choices":[{"delta":{"content":"a"}}]}', b'{"choices":[],"usage":'
-                           + orjson.dumps(usage) + b'}']))
-    await upstream.__aenter__()
-    fleet = fleet_of(upstream.url)
-    forward = Forwarder(fleet, build_pickers(fleet.cfg, fleet))
+    async with Canned(sse([b'{"choices":[{"delta":{"content":"a"}}]}', b'{"choices":[],"usage":'
+                           + orjson.dumps(usage) + b'}'])) as upstream:
+        fleet = fleet_of(upstream.url)
+        forward = Forwarder(fleet, build_pickers(fleet.cfg, fleet))
 
-    async def handler(call):
-        kind = call.ctx.client_request_id
-        if kind in ("late", "stream-late"):  # a filter that sets a field of the record at the end (a cascade's)
-            call.ctx.on_answer = lambda: setattr(call.ctx, "discarded_tokens", call.ctx.prompt_tokens + 5)
-        if kind == "shed":
-            raise GatewayError(429, "over capacity", code="shed", headers=[(b"retry-after", b"3")])
-        if kind.startswith("stream"):
-            call.ctx.stream, call.pool = True, fleet.pool_for_model("m")
-            return await forward(call)
-        return Reply(200, [(b"content-type", b"application/json")], body=b'{"ok":1}', usage=usage)
+        async def handler(call):
+            kind = call.ctx.client_request_id
+            if kind in ("late", "stream-late"):  # a filter that sets a field of the record at the end (a cascade's)
+                call.ctx.on_answer = lambda: setattr(call.ctx, "discarded_tokens", call.ctx.prompt_tokens + 5)
+            if kind == "shed":
+                raise GatewayError(429, "over capacity", code="shed", headers=[(b"retry-after", b"3")])
+            if kind.startswith("stream"):
+                call.ctx.stream, call.pool = True, fleet.pool_for_model("m")
+                return await forward(call)
+            return Reply(200, [(b"content-type", b"application/json")], body=b'{"ok":1}', usage=usage)
 
-    acc = make_accountant(sinks=[_Flaky()], journal_dir=tmp_path)[0]  # the sink refuses: nothing is acked
-    await acc.start()
-    ep = Endpoint(Intake(acc.fleet, acc, Tenants(acc.cfg), handler, max_body=1 << 20, body_timeout_s=5), CHAT)
-    kinds = (("unary", 200, "ok"), ("stream", 200, "ok"), ("shed", 429, "shed"), ("late", 200, "ok"),
-             ("stream-late", 200, "ok"))
-    for kind, status, outcome in kinds:
-        seen: list[list | None] = []
-        c = Client(b'{"model":"s","messages":[{"role":"user","content":"hi"}]}', [(b"x-request-id", kind.encode())])
-        send = c.send
+        acc = make_accountant(sinks=[_Flaky()], journal_dir=tmp_path)[0]  # the sink refuses: nothing is acked
+        await acc.start()
+        ep = Endpoint(Intake(acc.fleet, acc, Tenants(acc.cfg), handler, max_body=1 << 20, body_timeout_s=5), CHAT)
+        kinds = (("unary", 200, "ok"), ("stream", 200, "ok"), ("shed", 429, "shed"), ("late", 200, "ok"),
+                 ("stream-late", 200, "ok"))
+        for kind, status, outcome in kinds:
+            seen: list[list | None] = []
+            c = Client(b'{"model":"s","messages":[{"role":"user","content":"hi"}]}', [(b"x-request-id", kind.encode())])
+            send = c.send
 
-        async def watch(msg, c=c, send=send, seen=seen):
-            if msg["type"] == "http.response.body" and (not msg.get("more_body") or b"[DONE]" in msg["body"]):
-                rid = dict(next(m for m in c.sent if m["type"] == "http.response.start")["headers"])[b"x-request-id"]
-                # what a gateway adopting this journal would read from the files now
-                seen.append({r.id: r for r in acc.journal._read(acc.journal.tag)}.get(rid.decode()))
-            await send(msg)
+            async def watch(msg, c=c, send=send, seen=seen):
+                if msg["type"] == "http.response.body" and (not msg.get("more_body") or b"[DONE]" in msg["body"]):
+                    start = next(m for m in c.sent if m["type"] == "http.response.start")
+                    rid = dict(start["headers"])[b"x-request-id"]
+                    # what a gateway adopting this journal would read from the files now
+                    seen.append({r.id: r for r in acc.journal._read(acc.journal.tag)}.get(rid.decode()))
+                await send(msg)
 
-        await ep(c.scope, c.receive, watch)
-        assert c.status == status and seen and all(seen), f"{kind}: a last write went out before its row"
-        r = seen[0]
-        assert (r.client_request_id, r.status_code, r.outcome) == (kind, status, outcome)
-        if status == 200:
-            assert (r.prompt_tokens, r.completion_tokens) == (7, 2)
-        assert r.discarded_tokens == (12 if kind.endswith("late") else 0)  # (set in ctx.on_answer: in the row)
-    lines = b"".join(p.read_bytes().split(b"\0", 1)[0] for p in tmp_path.glob("*.jsonl")).splitlines()
-    assert acc.journal.pending == 5 and len(lines) == 5  # one row each: the finish found nothing changed
-    await acc.stop()
-    await upstream.__aexit__()
-    await fleet.stop()
+            await ep(c.scope, c.receive, watch)
+            assert c.status == status and seen and all(seen), f"{kind}: a last write went out before its row"
+            r = seen[0]
+            assert (r.client_request_id, r.status_code, r.outcome) == (kind, status, outcome)
+            if status == 200:
+                assert (r.prompt_tokens, r.completion_tokens) == (7, 2)
+            assert r.discarded_tokens == (12 if kind.endswith("late") else 0)  # (set in ctx.on_answer: in the row)
+        lines = b"".join(p.read_bytes().split(b"\0", 1)[0] for p in tmp_path.glob("*.jsonl")).splitlines()
+        assert acc.journal.pending == 5 and len(lines) == 5  # one row each: the finish found nothing changed
+        await acc.stop()
+        await fleet.stop()
 
 
 class _Flaky:
