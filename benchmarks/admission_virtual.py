@@ -16,6 +16,7 @@ that met the SLO (10-13 req/s).
     python benchmarks/admission_virtual.py --rule tail:0.75 --rule tail:0.9 --rule mean:0.7
     python benchmarks/admission_virtual.py --classes --seeds 1-6    # the priority and fairness cells
     python benchmarks/admission_virtual.py --classes --probe docs/bench/admission-vllm-results-s43.json
+    python benchmarks/admission_virtual.py --burst --probe docs/bench/admission-vllm-results-s48b.json --seeds 0 --margin 0
     python benchmarks/admission_virtual.py --retry --seeds 1-6      # the burst-retry cell
     python benchmarks/admission_virtual.py --retry --gateways 3     # ... behind three round-robin gateways
     python benchmarks/admission_virtual.py --restart --seeds 1-6    # the same clients against a restarted gateway
@@ -42,6 +43,14 @@ step times. ``docs/bench/admission-vllm-results-*.json`` carry the calibrations 
 loadtest client's timeout (30 s from the first send; a Retry-After that would outlast it is not waited
 for): first retries admitted, and the timeouts.
 
+``--burst --probe RESULTS [--probe ...]`` runs the ``admission-vllm`` experiment's ``burst`` cell on each
+recorded run's replica (``probed_burst_cell``), admission off and on under each ``--rule``, after the cells
+each profile runs before it, per seed (seed 0: the run's own arrivals) and step margin (``--margins``):
+goodput, served, SLO attainment of the served and their p95 TPOT, and per rule the mean goodput and the
+cells under 95%. It reproduced session 48's real cut (27 -> 20.7 per replica, 45 of 63 served) from that
+run's probe; its admission off is harsher than the real one (73% of the burst within the SLO where the
+real server gave 84%: the fitted steps are slower than the server at 39 sequences).
+
 ``--retry`` runs the experiment's ``burst-retry`` cell on the same clock, per seed: the capacity-13 cell's
 40 s at 13 req/s from clients that never retry (as the wall-clock experiment warms the gateway), 20 s at
 2 req/s, then the burst's first period (25 req/s for 9 s, 2 req/s after) from another tenant's clients,
@@ -58,7 +67,10 @@ each cell also runs with that figure hidden (a slot priced at the E2E SLO, the r
 experiment's SLO (E2E 5 s) and at an E2E SLO of 30 s (the real CPU vLLM experiment's), per seed.
 
 ``mean:F`` judges the limit on the running means under F x SLO (the rule before 2026-11-22);
-``tail:F`` on the p95 of the recent window under F x SLO (the shipped rule; F = target_fraction).
+``tail:F`` on the p95 of the recent window under F x SLO (the shipped rule; F = target_fraction);
+``tail:F:C`` the same with the TPOT that cuts the limit at C x the SLO (``tpot_cut_fraction``; C = F: no hold
+band, the rule before 2026-12-03); ``fixed:N`` holds the SLO limit at N requests in flight, never cut (what
+the best fixed limit would have done).
 """
 
 from __future__ import annotations
@@ -78,6 +90,7 @@ import numpy as np  # noqa: E402
 import usefulwork.loadtest.autoscale as autoscale  # noqa: E402
 from usefulwork.loadtest import arrivals as arrivals_mod  # noqa: E402
 from usefulwork.loadtest import calibrate  # noqa: E402
+from usefulwork.loadtest import experiment as experiment_mod  # noqa: E402
 from usefulwork.gateway.admission import capacity as capacity_mod  # noqa: E402
 from usefulwork.gateway.admission.config import AdmissionCfg  # noqa: E402
 from usefulwork.loadtest import admission_clock  # noqa: E402
@@ -124,15 +137,29 @@ def run(day: autoscale.Day, cfg: AdmissionCfg | None) -> dict[str, Any]:
 
 
 def with_rule(rule: str) -> AdmissionCfg:
-    kind, _, frac = rule.partition(":")
+    kind, _, fracs = rule.partition(":")
+    if kind == "fixed":  # an SLO limit held at N, never cut (the prefill gate still learns)
+        autoscale.Capacity = _Fixed
+        capacity_mod.Capacity.tail = _TAIL
+        return AdmissionCfg(initial_concurrency=int(fracs), max_concurrency=int(fracs))
     if kind not in ("mean", "tail"):
-        raise SystemExit(f"--rule {rule!r}: use mean:F or tail:F")
+        raise SystemExit(f"--rule {rule!r}: use mean:F, tail:F, tail:F:C or fixed:N")
     # mean: no tail, so Capacity judges the running means (its behaviour under 10 samples)
     capacity_mod.Capacity.tail = _no_tail if kind == "mean" else _TAIL
-    return AdmissionCfg(target_fraction=float(frac)) if frac else AdmissionCfg()
+    autoscale.Capacity = capacity_mod.Capacity
+    frac, _, cut = fracs.partition(":")
+    kw: dict[str, Any] = {"target_fraction": float(frac)} if frac else {}
+    if cut:
+        kw["tpot_cut_fraction"] = float(cut)
+    return AdmissionCfg(**kw)
 
 
 _TAIL = capacity_mod.Capacity.tail
+
+
+class _Fixed(capacity_mod.Capacity):
+    def _cut(self, new: float, now: float, why: str) -> None:
+        pass
 
 
 def _no_tail(self, xs):  # noqa: ANN001
@@ -253,7 +280,7 @@ class GatewaysSim(_OwnQueue, autoscale.Simulation):
         req.queue = self.queue
 
     def _queue_due(self) -> float:
-        return min(((q.next_deadline() or math.inf) for q in self.gateways if q.queued), default=math.inf)
+        return min(((q.next_deadline() or math.inf) for q in self.gateways if q is not None and q.queued), default=math.inf)
 
     def _expire_queue(self) -> None:
         self._each(lambda: autoscale.Simulation._expire_queue(self))
@@ -325,6 +352,85 @@ def probed_retry_cell(seed: int, results: dict[str, Any], gateways: int = 1, mar
     out["timeouts"] = sum(1 for r in reqs if r.outcome == "timeout")
     out["admitted_then_timed_out"] = sum(1 for r in reqs if r.first_retry == "admitted" and r.outcome == "timeout")
     return out
+
+
+PROBED_BURST_CELLS = {"admission-off": ("capacity-0.6", "capacity-0.8", "burst"),
+                      "admission-on": ("capacity-0.6", "burst")}  # each profile's cells up to the burst, in order
+
+
+def probed_burst_cell(seed: int, results: dict[str, Any], cfg: AdmissionCfg | None,
+                      margin: float | None = None) -> dict[str, Any]:
+    """The ``admission-vllm`` experiment's ``burst`` cell on a recorded real run's CPU vLLM replica, after the
+    cells its profile runs before it (admission off: capacity-0.6 and capacity-0.8; on: capacity-0.6), each
+    followed by its drain, at the run's rate scale, with admission ``cfg`` (None: off). Seed 0 draws the
+    arrivals the run itself had (the loadtest's own draw per cell); others draw new ones. The clients never
+    retry and give up 30 s after their send, as the loadtest client does. Figures as the experiment's
+    (``usefulwork.loadtest.admission``): goodput is the SLO-meeting answers over the cell's span (its start
+    to its last answer), and the p95 TPOT of the served."""
+    host = admission_clock.probed_host(results, margin=margin)
+    exp, shape = admission_clock.probed_experiment(results)
+    rng = np.random.default_rng(seed)
+    times, t0, burst_t0 = [], 0.0, 0.0
+    for name in PROBED_BURST_CELLS["admission-off" if cfg is None else "admission-on"]:
+        case = exp.case_for(shape, name)
+        burst_t0, timeout = t0, case.timeout_s
+        if not seed:  # the run's own arrivals: the loadtest's draw for the cell (runner._plan)
+            rng = np.random.default_rng(experiment_mod.cell_seed(exp.seed, shape["name"], name) + 7919)
+        times += [t0 + o for o in arrivals_mod.planned_offsets(arrivals_mod.from_spec(case.arrival), rng,
+                                                                duration_s=case.duration_s)]
+        t0 += case.duration_s + (case.drain_s or 0.0)
+    day = Planned(day_s=t0, base_rate=1.0, peak_rate=1.0, seed=seed, times=tuple(times))
+    slo = exp.slo
+    if cfg is not None:
+        autoscale.AdmissionCfg = lambda: cfg  # the what-if builds its queue from AdmissionCfg()
+    client = autoscale.Client(timeout_s=timeout, max_retries=0, from_first_send=True)
+    sim = ProbedSim(autoscale.Policy("one", "one replica", fixed=1, admission=cfg is not None), day, autoscale.Fleet(),
+                    client, slo, step_model=host.step_model)
+    sim.run()
+    reqs = [r for r in sim.requests if r.t0 >= burst_t0]
+    served = [r for r in reqs if r.outcome == "ok"]
+    good = [r for r in served if r.ttft * 1e3 <= slo.ttft_ms and r.e2e * 1e3 <= slo.e2e_ms
+            and (r.tpot or 0.0) * 1e3 <= slo.tpot_ms]
+    span = max((r.t0 + r.e2e for r in served), default=burst_t0) - burst_t0
+    return {"sent": len(reqs), "served": len(served), "shed": sum(1 for r in reqs if r.outcome == "shed"),
+            "timeouts": sum(1 for r in reqs if r.outcome == "timeout"), "good": len(good),
+            "goodput_per_s": len(good) / span if span > 0 else 0.0,
+            "attainment_served": len(good) / len(served) if served else None,
+            "p95_e2e_served_s": float(np.percentile([r.e2e for r in served], 95)) if served else None,
+            "p95_tpot_served_s": float(np.percentile([r.tpot for r in served if r.tpot], 95)) if served else None}
+
+
+def probed_bursts(seeds: list[int], probes: dict[str, dict[str, Any]], rules: list[str],
+                  margins: list[float | None]) -> dict[str, Any]:
+    """``probed_burst_cell`` per recorded run (``probes``, by name), margin and seed, admission off and on
+    under each of ``rules`` (``with_rule``). One run and margin: a row per seed; else one per rule: its mean
+    goodput, the cells whose served answers met the SLO under 95% and the lowest attainment."""
+    cells = [(name, m, seed) for name in probes for m in margins for seed in seeds]
+    data: dict[str, Any] = {"off": [probed_burst_cell(seed, probes[name], None, m) for name, m, seed in cells]}
+    for rule in rules:
+        cfg = with_rule(rule)
+        data[rule] = [probed_burst_cell(seed, probes[name], cfg, m) for name, m, seed in cells]
+    print("the burst cell on a recorded real CPU vLLM's replica: goodput req/s / served of sent / SLO attainment of "
+          "served / p95 TPOT of served (ms)")
+    if len(probes) == 1 and len(margins) == 1:
+        print("| seed | " + " | ".join(data) + " |")
+        print("|---|" + "---|" * len(data))
+        for i, seed in enumerate(seeds):
+            row = []
+            for key in data:
+                v = data[key][i]
+                att = "-" if v["attainment_served"] is None else f"{v['attainment_served']:.1%}"
+                tp = "-" if v["p95_tpot_served_s"] is None else f"{v['p95_tpot_served_s'] * 1e3:.0f}"
+                row.append(f"{v['goodput_per_s']:.3f} / {v['served']} of {v['sent']} / {att} / {tp}")
+            print(f"| {seed} | " + " | ".join(row) + " |")
+    print(f"{len(cells)} cell(s): {', '.join(probes)} x margins {margins} x seeds {seeds[0]}-{seeds[-1]}")
+    print("| admission | mean goodput (req/s) | served | cells under 95% of served within the SLO | lowest |")
+    print("|---|---|---|---|---|")
+    for key, rows in data.items():
+        att = [v["attainment_served"] or 0.0 for v in rows]
+        print(f"| {key} | {sum(v['goodput_per_s'] for v in rows) / len(rows):.3f} | {sum(v['served'] for v in rows)} | "
+              f"{sum(1 for a in att if a < 0.95)} | {min(att):.1%} |")
+    return {"cells": cells, **data}
 
 
 def _retrying_figures(reqs: list[Any], slo: Any) -> dict[str, Any]:
@@ -466,14 +572,18 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=None, help="write the figures here")
     ap.add_argument("--classes", action="store_true", help="the priority and fairness cells instead of bursts and steady load")
     ap.add_argument("--retry", action="store_true", help="the burst-retry cell instead of bursts and steady load")
+    ap.add_argument("--burst", action="store_true",
+                    help="with --probe: the admission-vllm experiment's burst cell, admission off and on (each --rule)")
     ap.add_argument("--restart", action="store_true",
                     help="the burst-retry clients against a gateway restarted beside a full fleet (cold hold: SLO vs replicas' figure)")
     ap.add_argument("--seeds", default="1-6", help="with --classes or --retry: seeds, e.g. 1-6")
-    ap.add_argument("--probe", type=Path, default=None,
-                    help="with --classes or --retry: the real CPU vLLM of a recorded admission-vllm run (its results.json: the step "
-                         "times fitted to its probe, its rate scale) instead of the simulated A100")
+    ap.add_argument("--probe", type=Path, action="append", default=None,
+                    help="with --classes, --retry or --burst: the real CPU vLLM of a recorded admission-vllm run (its results.json: "
+                         "the step times fitted to its probe, its rate scale) instead of the simulated A100 (--burst: "
+                         "several, each run)")
     ap.add_argument("--margin", type=float, default=None,
                     help="with --probe: every step this much longer than probed (default: the run's speed_margin)")
+    ap.add_argument("--margins", default=None, help="with --burst: several margins, e.g. 0,0.1,0.15 (each run)")
     ap.add_argument("--gateways", type=int, default=1,
                     help="with --retry: gateway processes behind a round-robin load balancer (each attempt to the next)")
     args = ap.parse_args()
@@ -482,8 +592,18 @@ def main() -> int:
         if args.json:
             args.json.write_text(json.dumps(data, indent=1))
         return 0
+    if args.burst:
+        if not args.probe:
+            raise SystemExit("--burst needs --probe RESULTS")
+        rules = args.rule or [f"tail:{AdmissionCfg().target_fraction:g}"]
+        probes = {p.name: json.loads(p.read_text()) for p in args.probe}
+        margins = [float(m) for m in args.margins.split(",")] if args.margins else [args.margin]
+        data = probed_bursts(_seeds(args.seeds), probes, rules, margins)
+        if args.json:
+            args.json.write_text(json.dumps(data, indent=1))
+        return 0
     if args.retry:
-        probe = json.loads(args.probe.read_text()) if args.probe else None
+        probe = json.loads(args.probe[0].read_text()) if args.probe else None
         data = retries(_seeds(args.seeds), args.gateways, probe, args.margin)
         if args.json:
             args.json.write_text(json.dumps(data, indent=1))
@@ -491,7 +611,7 @@ def main() -> int:
     if args.classes:
         host = admission_clock.A100
         if args.probe:
-            host = admission_clock.probed_host(json.loads(args.probe.read_text()), args.probe.name, args.margin)
+            host = admission_clock.probed_host(json.loads(args.probe[0].read_text()), args.probe[0].name, args.margin)
         data = classes(_seeds(args.seeds), host)
         if args.json:
             args.json.write_text(json.dumps(data, indent=1))

@@ -18,7 +18,10 @@ of healthy replicas the fleet reports:
   clock, docs/benchmarks.md section 7): judged on means under 0.7 of the SLO, the seed's burst left
   2-7% of admitted answers late (one seed in two under 95%); the p95 under 0.75 of the SLO kept every
   burst at 97.7-100% with the same goodput, and steady overload at 91-93% of capacity; 0.8 and up let
-  bursts through late (88-97%). It starts at ``initial_concurrency`` or at what the replicas already run (scraped
+  bursts through late (88-97%). The TPOT has a hold band: no queue wait is part of it, so it cuts only
+  over ``tpot_cut_fraction`` (``tpot_cut``; growth still needs it under ``target_fraction``). Cut at the
+  growth target, the real CPU vLLM's burst was held at 20 in flight where its answers met the SLO at 28
+  (``admission_virtual.py --burst``: goodput 1.13 req/s replayed on its probe, 1.24 with the band). It starts at ``initial_concurrency`` or at what the replicas already run (scraped
   ``vllm:num_requests_running`` + ``waiting``), whichever is larger. The replicas' live decode speed
   (vLLM's inter-token latency over the last few scrape intervals) is judged too, as each scrape arrives: a
   TPOT over target cuts the limit seconds into a burst instead of an E2E later (``judge_live``).
@@ -119,6 +122,7 @@ class Capacity:
         self.slo_e2e_s = slo_e2e_s
         self.ttft_target = slo_ttft_s * f
         self.tpot_target = slo_tpot_s * f
+        self.tpot_cut = slo_tpot_s * max(f, cfg.tpot_cut_fraction)  # the TPOT that cuts (``tpot_cut_fraction``)
         self.e2e_target = slo_e2e_s * f
         self.limit = float(cfg.initial_concurrency)  # per replica (SLO limit)
         self.batch_limit = self.limit  # per replica (fill limit)
@@ -381,7 +385,7 @@ class Capacity:
         was admitted up to a limit learned in quiet times and every answer then missed the TPOT SLO,
         20 s before the first one said so. vLLM's ``inter_token_latency_seconds`` histogram is observed
         per decoded token, so its mean over the last few scrape intervals (``Replica.itl_live``) is the
-        TPOT of what runs now. Each new scrape is judged once: over ``tpot_target`` it cuts the limit as a
+        TPOT of what runs now. Each new scrape is judged once: over ``tpot_cut`` it cuts the limit as a
         late tail would (in proportion, at least 10%, at most half, once per service time), from what is in flight
         if that is under the limit; it also holds growth (``_load``) and prices the queue's waits
         (``est_e2e``). Under priority scheduling, with batch work holding slots beyond the SLO limit, the
@@ -410,7 +414,7 @@ class Capacity:
                 self._grow(credit, self.count(reps))  # the slow start's growth, now that the decode speed is known
         # (no verdict before a round trip was measured: the cold limit is initial_concurrency, and the
         # once-per-service-time rule needs a service time; without it every scrape cut the limit to 1)
-        if live is None or live <= self.tpot_target or self.service is None:
+        if live is None or live <= self.tpot_cut or self.service is None:
             return
         n = self.count(reps)
         if self.priority_scheduling and inflight / n > self.limit and self.batch_limit > self.limit:
@@ -419,13 +423,13 @@ class Capacity:
             # work one slot: on the real CPU vLLM's 2x cell the SLO limit went to 1.7 per replica in three
             # live cuts while the fill limit stayed at 24, and interactive requests queued 3.4 s and were shed.
             if now - self.last_batch_decrease >= self.service:
-                self._cut_fill(min(self.batch_limit, inflight / n) * _kept(self.tpot_target / live), now,
+                self._cut_fill(min(self.batch_limit, inflight / n) * _kept(self.tpot_cut / live), now,
                                self._live_why(live, inflight))
                 self.live_decreases += 1
             return
         if now - self.last_decrease < self.service:
             return
-        new = self._cut_to(min(self.limit, inflight / n), live / self.tpot_target, n)
+        new = self._cut_to(min(self.limit, inflight / n), live / self.tpot_cut, n)
         if model is not None:
             # Judged at a full pool's turnover, the figure is ``decode + limit x per_slot``: the cut goes to
             # the limit at which that meets the target, if that leaves more than the proportional cut (and
@@ -434,7 +438,7 @@ class Capacity:
             # against the 112 ms target and the model itself put the target at 8: the real CPU vLLM's
             # burst-retry cell, docs/benchmarks.md section 7, session 43.)
             decode, per_slot = model
-            new = max(new, min((self.tpot_target - decode) / per_slot, CUT_KEEP_MAX * self.limit))
+            new = max(new, min((self.tpot_cut - decode) / per_slot, CUT_KEEP_MAX * self.limit))
         if new < self.limit:
             self._cut(new, now, self._live_why(live, inflight))
             self.live_decreases += 1
@@ -495,7 +499,7 @@ class Capacity:
             judged, pe, share = self._turnover
             read = (f" (a full pool's turnover prices {judged * 1e3:.0f} ms: {pe:.2f} s a prefill, "
                     f"{share:.0%} of the window's time on this gateway's prefills)")
-        return f"live decode {live * 1e3:.0f} ms a token{read} over the {self.tpot_target * 1e3:.0f} ms target, {inflight} in flight"
+        return f"live decode {live * 1e3:.0f} ms a token{read} over the {self.tpot_cut * 1e3:.0f} ms cut mark, {inflight} in flight"
 
     def observe_first_token(self, ttft: float, ahead: float, inflight_at_admit: int = 0,
                             max_tokens: int | None = None) -> None:
@@ -617,13 +621,13 @@ class Capacity:
         k = max(1, math.ceil((1.0 - self.cfg.tail_quantile) * n))
         return xs.largest(k)
 
-    def _load(self) -> float:
+    def _load(self, cut: bool = False) -> float:
         """Service TTFT and E2E (their tail, else their means) and the mean TPOT as a fraction of their
-        targets (the largest)."""
+        targets (the largest); with ``cut``, the TPOT's is its cut mark (``tpot_cut``), not its growth target."""
         ttft = self.tail(self.recent_ttft)
         e2e = self.tail(self.recent_e2e)
         return max(((self.svc_ttft if ttft is None else ttft) or 0.0) / self.ttft_target,
-                   max(self.tpot or 0.0, self.live_tpot or 0.0) / self.tpot_target,
+                   max(self.tpot or 0.0, self.live_tpot or 0.0) / (self.tpot_cut if cut else self.tpot_target),
                    ((self.service if e2e is None else e2e) or 0.0) / self.e2e_target)
 
     def _learn_slo(self, s: Sample, now: float, n: int) -> None:
@@ -645,7 +649,7 @@ class Capacity:
             self.recent_ttft.append(s.ttft)
         if self.decreases and len(self.recent_e2e) < 10:
             return  # since the last cut: wait for ten answers admitted under the new limit
-        load = self._load()
+        load = self._load(cut=True)
         if load > 1.0:
             if now - self.last_decrease >= (self.service or 0.0):
                 # In proportion to the overshoot (at most halved, at least 10%): a limit that grew past
@@ -653,6 +657,9 @@ class Capacity:
                 self._cut(self._cut_to(self.limit, load, n), now,
                           f"recent answers at {load:.2f}x their TTFT, TPOT or E2E target")
             return
+        load = self._load()
+        if load > 1.0:
+            return  # between the growth and the cut targets: hold
         if self.saturated():  # the replicas say "full" before the SLO does: hold, do not grow
             return
         # Only a limit that was used has been tested: far under the targets, half of it (fast growth);
