@@ -59,10 +59,13 @@ def test_a_recorded_real_run_is_replayed_on_its_fitted_steps_at_its_scale():
 def test_on_the_cpu_vllm_a_prefill_in_progress_puts_the_quiet_tenants_floor_over_the_target():
     """On the real CPU vLLM's replica a 512-token prefill holds the engine ~0.4 s, about a lone prompt's
     whole first token: a quiet prompt that reaches the engine during the heavy tenant's prefill waits for
-    it, so the floor of its p99 is far over 1.2x whatever the gateway does, and the served p99 is over
-    the floor."""
+    it, so the floor of a quiet tenant's p99 is far over 1.2x whatever the gateway does (the target needs
+    every quiet tenant under it), and the served p99 is over the floor. (Which tenants' prompts meet a
+    prefill in progress depends on the schedule: since the TPOT hold band, seed 1's q1 has a floor of 1.11x
+    and is served at 1.18x, its q2 and q3 at floors of 1.60 and 1.51x; before, all three were over 1.5x.)"""
     host = admission_clock.probed_host(S43)
-    res = admission_clock.fairness_cell(1, AdmissionCfg(), host)
-    for q, row in res["quiet"].items():
-        assert row["floor_ratio"] > 1.2, (q, row)
-        assert row["floor_p99_s"] <= row["p99_s"], (q, row)
+    for seed in (1, 2):
+        res = admission_clock.fairness_cell(seed, AdmissionCfg(), host)
+        for q, row in res["quiet"].items():
+            assert row["floor_p99_s"] <= row["p99_s"], (seed, q, row)
+        assert max(row["floor_ratio"] for row in res["quiet"].values()) > 1.5, (seed, res["quiet"])

@@ -621,14 +621,15 @@ class Capacity:
         k = max(1, math.ceil((1.0 - self.cfg.tail_quantile) * n))
         return xs.largest(k)
 
-    def _load(self, cut: bool = False) -> float:
+    def _load(self) -> tuple[float, float]:
         """Service TTFT and E2E (their tail, else their means) and the mean TPOT as a fraction of their
-        targets (the largest); with ``cut``, the TPOT's is its cut mark (``tpot_cut``), not its growth target."""
+        targets (the largest): (against the TPOT's cut mark, ``tpot_cut``; against its growth target)."""
         ttft = self.tail(self.recent_ttft)
         e2e = self.tail(self.recent_e2e)
-        return max(((self.svc_ttft if ttft is None else ttft) or 0.0) / self.ttft_target,
-                   max(self.tpot or 0.0, self.live_tpot or 0.0) / (self.tpot_cut if cut else self.tpot_target),
+        rest = max(((self.svc_ttft if ttft is None else ttft) or 0.0) / self.ttft_target,
                    ((self.service if e2e is None else e2e) or 0.0) / self.e2e_target)
+        tpot = max(self.tpot or 0.0, self.live_tpot or 0.0)
+        return max(rest, tpot / self.tpot_cut), max(rest, tpot / self.tpot_target)
 
     def _learn_slo(self, s: Sample, now: float, n: int) -> None:
         per_replica = s.inflight_at_admit / n
@@ -649,7 +650,7 @@ class Capacity:
             self.recent_ttft.append(s.ttft)
         if self.decreases and len(self.recent_e2e) < 10:
             return  # since the last cut: wait for ten answers admitted under the new limit
-        load = self._load(cut=True)
+        load, growth = self._load()
         if load > 1.0:
             if now - self.last_decrease >= (self.service or 0.0):
                 # In proportion to the overshoot (at most halved, at least 10%): a limit that grew past
@@ -657,14 +658,13 @@ class Capacity:
                 self._cut(self._cut_to(self.limit, load, n), now,
                           f"recent answers at {load:.2f}x their TTFT, TPOT or E2E target")
             return
-        load = self._load()
-        if load > 1.0:
-            return  # between the growth and the cut targets: hold
+        if growth > 1.0:
+            return  # between the TPOT's growth target and its cut mark: hold
         if self.saturated():  # the replicas say "full" before the SLO does: hold, do not grow
             return
         # Only a limit that was used has been tested: far under the targets, half of it (fast growth);
         # near them, all of it.
-        fast = load < 0.8
+        fast = growth < 0.8
         # (tested against the slots the limit gives, a whole number: near the target the limit grows by
         # fractions of a slot, and a pool that holds int(limit) requests never tested 36.03: it stuck there)
         if s.inflight_at_admit + 1 >= (0.5 if fast else 1.0) * math.floor(self.limit * n + 1e-9):
