@@ -324,6 +324,25 @@ class Planned(autoscale.Day):
 PROBED_RETRY_CELLS = ("capacity-0.6", "burst", "burst-retry")  # admission-on's cells up to the retry cell
 
 
+def _planned_cells(exp: Any, shape: dict[str, Any], cells: tuple[str, ...], seed: int,
+                   own: bool = False) -> tuple[Planned, float, float]:
+    """The arrivals of the experiment's ``cells`` one after another, each followed by its drain, drawn as the
+    loadtest draws them (``arrivals.from_spec``) from ``seed``, or with ``own`` the loadtest's own draw per
+    cell (``runner._plan``: the arrivals the recorded run had): the day, when the last cell starts, and its
+    clients' timeout."""
+    rng = np.random.default_rng(seed)
+    times, t0, last_t0, timeout = [], 0.0, 0.0, 30.0
+    for name in cells:
+        case = exp.case_for(shape, name)
+        last_t0, timeout = t0, case.timeout_s
+        if own:
+            rng = np.random.default_rng(experiment_mod.cell_seed(exp.seed, shape["name"], name) + 7919)
+        times += [t0 + o for o in arrivals_mod.planned_offsets(arrivals_mod.from_spec(case.arrival), rng,
+                                                                duration_s=case.duration_s)]
+        t0 += case.duration_s + (case.drain_s or 0.0)
+    return Planned(day_s=t0, base_rate=1.0, peak_rate=1.0, seed=seed, times=tuple(times)), last_t0, timeout
+
+
 def probed_retry_cell(seed: int, results: dict[str, Any], gateways: int = 1, margin: float | None = None) -> dict[str, Any]:
     """The ``admission-vllm`` experiment's ``burst-retry`` cell on a recorded real run's CPU vLLM replica
     (``admission_clock.probed_host``), after the cells admission on runs before it (its capacity-0.6 and
@@ -332,15 +351,7 @@ def probed_retry_cell(seed: int, results: dict[str, Any], gateways: int = 1, mar
     Retry-After that would outlast it not waited for, as the loadtest client does."""
     host = admission_clock.probed_host(results, margin=margin)
     exp, shape = admission_clock.probed_experiment(results)
-    rng = np.random.default_rng(seed)
-    times, t0, retry_t0, timeout = [], 0.0, 0.0, 30.0
-    for name in PROBED_RETRY_CELLS:
-        case = exp.case_for(shape, name)
-        retry_t0, timeout = t0, case.timeout_s
-        times += [t0 + o for o in arrivals_mod.planned_offsets(arrivals_mod.from_spec(case.arrival), rng,
-                                                                duration_s=case.duration_s)]
-        t0 += case.duration_s + (case.drain_s or 0.0)
-    day = Planned(day_s=t0, base_rate=1.0, peak_rate=1.0, seed=seed, times=tuple(times))
+    day, retry_t0, timeout = _planned_cells(exp, shape, PROBED_RETRY_CELLS, seed)
     slo = exp.slo  # (the SLO ``host`` carries in seconds)
     client = autoscale.Client(timeout_s=timeout, max_retries=3, max_retry_after_s=math.inf, from_first_send=True)
     sim = ProbedSim(autoscale.Policy("one", "one replica", fixed=1, admission=True), day, autoscale.Fleet(), client, slo,
@@ -369,17 +380,8 @@ def probed_burst_cell(seed: int, results: dict[str, Any], cfg: AdmissionCfg | No
     to its last answer), and the p95 TPOT of the served."""
     host = admission_clock.probed_host(results, margin=margin)
     exp, shape = admission_clock.probed_experiment(results)
-    rng = np.random.default_rng(seed)
-    times, t0, burst_t0 = [], 0.0, 0.0
-    for name in PROBED_BURST_CELLS["admission-off" if cfg is None else "admission-on"]:
-        case = exp.case_for(shape, name)
-        burst_t0, timeout = t0, case.timeout_s
-        if not seed:  # the run's own arrivals: the loadtest's draw for the cell (runner._plan)
-            rng = np.random.default_rng(experiment_mod.cell_seed(exp.seed, shape["name"], name) + 7919)
-        times += [t0 + o for o in arrivals_mod.planned_offsets(arrivals_mod.from_spec(case.arrival), rng,
-                                                                duration_s=case.duration_s)]
-        t0 += case.duration_s + (case.drain_s or 0.0)
-    day = Planned(day_s=t0, base_rate=1.0, peak_rate=1.0, seed=seed, times=tuple(times))
+    cells = PROBED_BURST_CELLS["admission-off" if cfg is None else "admission-on"]
+    day, burst_t0, timeout = _planned_cells(exp, shape, cells, seed, own=not seed)
     slo = exp.slo
     if cfg is not None:
         autoscale.AdmissionCfg = lambda: cfg  # the what-if builds its queue from AdmissionCfg()

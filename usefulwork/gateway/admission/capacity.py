@@ -21,7 +21,8 @@ of healthy replicas the fleet reports:
   bursts through late (88-97%). The TPOT has a hold band: no queue wait is part of it, so it cuts only
   over ``tpot_cut_fraction`` (``tpot_cut``; growth still needs it under ``target_fraction``). Cut at the
   growth target, the real CPU vLLM's burst was held at 20 in flight where its answers met the SLO at 28
-  (``admission_virtual.py --burst``: goodput 1.13 req/s replayed on its probe, 1.24 with the band). It starts at ``initial_concurrency`` or at what the replicas already run (scraped
+  (``admission_virtual.py --burst``: goodput 1.13 req/s replayed on its probe, 1.24 with the band). It
+  starts at ``initial_concurrency`` or at what the replicas already run (scraped
   ``vllm:num_requests_running`` + ``waiting``), whichever is larger. The replicas' live decode speed
   (vLLM's inter-token latency over the last few scrape intervals) is judged too, as each scrape arrives: a
   TPOT over target cuts the limit seconds into a burst instead of an E2E later (``judge_live``).

@@ -23,12 +23,13 @@ class AdmissionCfg(BaseModel):
     min_concurrency: int = Field(1, ge=1, description="The adaptive limit never goes below this per pool.")
     target_fraction: float = Field(0.75, gt=0, le=1, description="The limit grows while the tail (tail_quantile) of "
                                    "admitted requests' service TTFT and E2E and the mean TPOT stay under this fraction "
-                                   "of the SLO, and shrinks when not (the rest of the SLO is for the queue's wait).")
+                                   "of the SLO, and shrinks when the TTFT or E2E tail does not (the rest of the SLO is for "
+                                   "the queue's wait; the TPOT's cut is tpot_cut_fraction).")
     tpot_cut_fraction: float = Field(0.86, gt=0, le=1, description="The limit is cut when the mean TPOT (of admitted "
                                      "answers, or the replicas' live decode speed) exceeds this fraction of the SLO; between "
-                                     "it and target_fraction's the limit holds (no queue wait is part of a TPOT: a cut at "
-                                     "target_fraction's cost the real CPU vLLM's bursts a fifth of their goodput). Never "
-                                     "below target_fraction (then no band).")
+                                     "it and target_fraction's the limit holds (no queue wait is part of a TPOT: cut at "
+                                     "target_fraction's, a replay of the real CPU vLLM's burst on its probe served 45 of 63 "
+                                     "where the band serves 52, all within the SLO). Never below target_fraction (then no band).")
     tail_quantile: float = Field(0.95, gt=0.5, lt=1, description="Quantile of the recent service TTFT and E2E that "
                                  "the limit is judged on (the SLO's own percentile: 0.95 for attainment 95%).")
     tail_window: int = Field(100, ge=20, description="Recent successful requests the tail is taken over (fewer than "
