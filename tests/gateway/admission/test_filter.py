@@ -382,7 +382,7 @@ def test_rpm_then_budget_enforced_with_429_and_clear_message(store, request):
     assert err["code"] == "rpm" and "requests-per-minute" in err["message"] and "'acme'" in err["message"]
     assert 15 <= float(out[3].header(b"retry-after-ms")) / 1000 <= 21  # one request's refill: 60 s / 3
     assert [r.status for r in spend] == [200, 200, 429]
-    assert orjson.loads(spend[2].body)["error"]["code"] == "budget"
+    assert orjson.loads(spend[2].body)["error"]["code"] == "insufficient_quota"
     assert out[3].header(b"x-usefulwork-shed-reason") == b"rpm"
 
 

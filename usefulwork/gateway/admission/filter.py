@@ -60,6 +60,10 @@ REASON_HEADER = b"x-usefulwork-shed-reason"
 # them, where they would retry any other 429 at once (older versions ignore a Retry-After over a minute).
 # A shed told more than ``SDK_RETRY_AFTER_MAX_S`` says so too.
 NO_RETRY_NOW = frozenset(("budget", "tpm_too_large"))
+# A spent budget is answered as OpenAI answers an exhausted quota (type and code ``insufficient_quota``):
+# clients written for OpenAI tell it from a rate limit by that code and stop instead of backing off. The
+# reason header still says ``budget``; every other refusal's code is its reason.
+OPENAI_CODES = {"budget": "insufficient_quota"}
 NO_RETRY = (b"x-should-retry", b"false")
 # The OpenAI SDKs (Python, Node) number each attempt: 0 first, then the retries (a 429's included).
 RETRY_COUNT_HEADER = b"x-stainless-retry-count"
@@ -110,8 +114,8 @@ def _retried(raw: bytes | None) -> int | None:
 
 
 def _error(status: int, message: str, code: str, headers: list[tuple[bytes, bytes]] | None = None,
-           param: str | None = None) -> Reply:
-    body = error_body(status, message, code=code, param=param)
+           param: str | None = None, type_: str | None = None) -> Reply:
+    body = error_body(status, message, code=code, param=param, type_=type_)
     return Reply(status, [*JSON_HEADERS, (b"content-length", str(len(body)).encode()), *(headers or [])], body=body)
 
 
@@ -355,7 +359,8 @@ class AdmissionFilter:
         if reason in NO_RETRY_NOW or retry_after_s > SDK_RETRY_AFTER_MAX_S:
             # (told longer than an SDK waits: 3.x gives up anyway, older ones would retry at once into a full pool)
             headers.append(NO_RETRY)
-        return _error(status, message, reason, headers)
+        code = OPENAI_CODES.get(reason)
+        return _error(status, message, code or reason, headers, type_=code)
 
     def _shed(self, call: Call, queue: PoolQueue, t: Ticket, reason: str, retry_after_s: float) -> Reply:
         self.decisions["shed"] += 1
