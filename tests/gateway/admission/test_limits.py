@@ -298,3 +298,17 @@ def test_retry_returns_are_matched_across_processes_through_redis(redis_url):
         await r.aclose()
 
     asyncio.run(go())
+
+
+def test_the_day_key_is_the_utc_date_on_both_sides_of_midnight():
+    """``day_key`` keeps the last day's key (formatting a date on every budget tenant's request cost
+    microseconds): it must still turn at UTC midnight, forwards and back."""
+    from datetime import datetime, timezone
+
+    from usefulwork.gateway.admission.limits import day_key
+
+    midnight = datetime(2026, 12, 3, tzinfo=timezone.utc).timestamp()
+    for t in (midnight - 1e-3, midnight, midnight + 1e-3, midnight - 86400.0, midnight + 86399.999, midnight - 1e-3,
+              midnight + 7 * 86400.0 + 3600.0, 0.0):
+        assert day_key(t) == datetime.fromtimestamp(t, timezone.utc).strftime("%Y%m%d")
+    assert day_key(midnight - 1e-3) == "20261202" and day_key(midnight) == "20261203"

@@ -1874,3 +1874,40 @@ def test_no_place_is_held_for_a_numbering_client_told_more_than_its_sdk_honours(
     d = q.offer(t, 0.0)
     assert d.kind == "shed" and (d.retry_after_s > SDK_RETRY_AFTER_MAX_S) == (service_s > SDK_RETRY_AFTER_MAX_S)
     assert (7 in q._held) == held
+
+
+def test_an_offer_and_a_release_each_look_at_the_replicas_once_and_the_next_decision_sees_a_change():
+    """A decision reads the replicas' state once (``Capacity.pin``; an offer had built their list up to
+    seven times), never keeps it past its end (an exception included), and the next one sees a replica
+    that went down meanwhile."""
+    from types import SimpleNamespace
+
+    reps = [SimpleNamespace(healthy=True, running=0.0, waiting=0.0, kv_usage=0.0, scrapes=0) for _ in range(2)]
+    looks = []
+
+    def replicas():
+        looks.append(1)
+        return [r for r in reps if r.healthy]
+
+    c = AdmissionCfg(initial_concurrency=3)
+    cap = Capacity(c, *SLO, replicas=replicas)
+    cap.service, cap.svc_ttft = 1.0, 0.1
+    q = PoolQueue("p", cap, reserve_fraction=c.reserve_fraction, max_queue=c.max_queue, e2e_slo_s=SLO[2])
+    tickets = [ticket(0.0) for _ in range(7)]
+    kinds = [q.offer(t, 0.0).kind for t in tickets]
+    assert kinds[:6] == ["admit"] * 6 and kinds[6] != "admit"  # 3 per replica x 2 replicas
+    assert len(looks) == 7 and cap._pinned is None
+    looks.clear()
+    q.release(tickets[0], 0.5, Sample(ttft=0.1, tpot=0.01, service=0.5, tokens=100, ok=True, inflight_at_admit=0))
+    assert len(looks) == 1 and cap._pinned is None
+    reps[1].healthy = False  # down between decisions: the next one counts one replica (3 places)
+    assert q.offer(ticket(0.6), 0.6).kind != "admit" and q.inflight == 6
+    assert cap.current() == 3
+
+    def boom(t, now):
+        raise RuntimeError("a decision that fails")
+
+    q._offer = boom
+    with pytest.raises(RuntimeError):
+        q.offer(ticket(0.7), 0.7)
+    assert cap._pinned is None  # (a later read looks again)

@@ -119,6 +119,8 @@ class Capacity:
         self._inter_samples = 0
         self.replicas = replicas  # live replica state (running, waiting, kv_usage, num_gpu_blocks, block_size)
         self._count = replica_count
+        self._pinned: list | None = None  # one look at the replicas for a whole decision (``pin``)
+        self._pinned_n = 1
         f = cfg.target_fraction
         self.slo_e2e_s = slo_e2e_s
         self.ttft_target = slo_ttft_s * f
@@ -172,10 +174,33 @@ class Capacity:
         self.prefill_decreases = 0
 
     # -- reads --
-    def count(self, reps: Iterable | None = None) -> int:
+    def pin(self) -> bool:
+        """Look at the replicas once for a whole decision (an offer, a release): every read until ``unpin``
+        sees that list and its healthy count. Nothing a decision does changes the replicas (their state
+        comes from scrapes and health probes, between decisions), and an offer read them up to seven times,
+        a list built each time. True where this call pinned them (the caller unpins); False where a
+        decision already had."""
+        if self._pinned is not None:
+            return False
+        reps = self._pinned = list(self.replicas())
+        self._pinned_n = self._healthy_count(reps)
+        return True
+
+    def unpin(self) -> None:
+        self._pinned = None
+
+    def _reps(self) -> list:
+        return self._pinned if self._pinned is not None else list(self.replicas())
+
+    def _healthy_count(self, reps: Iterable) -> int:
         if self._count is not None:
             return max(1, self._count())
-        return max(1, sum(1 for r in (self.replicas() if reps is None else reps) if getattr(r, "healthy", True)))
+        return max(1, sum(1 for r in reps if getattr(r, "healthy", True)))
+
+    def count(self, reps: Iterable | None = None) -> int:
+        if self._pinned is not None and (reps is None or reps is self._pinned):
+            return self._pinned_n
+        return self._healthy_count(self.replicas() if reps is None else reps)
 
     def saturated(self) -> bool:
         """A replica queues a real share of its work inside vLLM, or its KV cache is nearly full.
@@ -183,7 +208,7 @@ class Capacity:
         A few waiting requests at a scrape are normal under load (new arrivals wait one engine step
         for a chunked prefill), so they only stop growth when they exceed a quarter of the running."""
         return any(getattr(r, "waiting", 0.0) > max(1.0, 0.25 * getattr(r, "running", 0.0))
-                   or getattr(r, "kv_usage", 0.0) > self.cfg.kv_high for r in self.replicas())
+                   or getattr(r, "kv_usage", 0.0) > self.cfg.kv_high for r in self._reps())
 
     def queueing(self) -> bool:
         """The fill limit's signal: new requests wait inside vLLM. Seen directly in the service TTFT
@@ -195,18 +220,18 @@ class Capacity:
         if self.priority_scheduling:
             if self.inter_floor is not None and self.inter_ttft is not None and self.inter_ttft > FILL_TTFT_FACTOR * self.inter_floor:
                 return True
-            return any(getattr(r, "kv_usage", 0.0) > self.cfg.kv_high for r in self.replicas())
+            return any(getattr(r, "kv_usage", 0.0) > self.cfg.kv_high for r in self._reps())
         if self.ttft_floor is not None and self.svc_ttft is not None and self.svc_ttft > FILL_TTFT_FACTOR * self.ttft_floor:
             return True
         return any(getattr(r, "waiting", 0.0) > max(2.0, 0.05 * getattr(r, "running", 0.0))
-                   or getattr(r, "kv_usage", 0.0) > self.cfg.kv_high for r in self.replicas())
+                   or getattr(r, "kv_usage", 0.0) > self.cfg.kv_high for r in self._reps())
 
     def kv_cap(self, reps: Iterable | None = None) -> float | None:
         """Sequences of the measured mean length that fit in the pool's KV caches (None: unknown)."""
         if not self.tokens:
             return None
         total = 0.0
-        for r in (self.replicas() if reps is None else reps):
+        for r in (self._reps() if reps is None else reps):
             blocks = getattr(r, "num_gpu_blocks", 0.0)
             size = getattr(r, "block_size", 0.0)
             if not (blocks and size):
@@ -232,7 +257,7 @@ class Capacity:
     def limits(self) -> tuple[int, int]:
         """(SLO limit, fill limit) to apply now: per replica x healthy replicas, within the KV and
         configured caps (one look at the replicas for both: this runs on every request)."""
-        reps = list(self.replicas())
+        reps = self._reps()
         if not self.seeded:
             self._seed(reps)
         n, kv = self.count(reps), self.kv_cap(reps)
@@ -392,7 +417,7 @@ class Capacity:
         (``est_e2e``). Under priority scheduling, with batch work holding slots beyond the SLO limit, the
         fill limit is cut instead (batch yields first; the SLO limit is what interactive work uses).
         Called by the queue on every arrival and release (cheap: a look at each replica's scrape counter)."""
-        reps = list(self.replicas())
+        reps = self._reps()
         self.load_now = inflight / self.count(reps)
         seen = {id(r): getattr(r, "scrapes", 0) for r in reps}
         if seen == self._live_seen:

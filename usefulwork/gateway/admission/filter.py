@@ -430,8 +430,8 @@ class AdmissionFilter:
     def _finish(self, queue: PoolQueue, t: Ticket, call: Call, tenant_cfg, tokens: int):
         self._release(queue, t, call, ok=True)
         ctx = call.ctx
-        if ctx.usage_source == "none":
-            return None
+        if ctx.usage_source == "none" or (tenant_cfg.tpm is None and tenant_cfg.budget_usd_per_day is None):
+            return None  # (nothing to settle: ``_settle`` would do nothing)
         from usefulwork.gateway.accounting.costing import price_sheet_cost  # noqa: PLC0415
 
         usd = price_sheet_cost(call.pool.cfg if call.pool is not None else None, ctx)

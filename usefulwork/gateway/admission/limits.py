@@ -88,8 +88,19 @@ def ratelimit_headers(cfg: TenantCfg, left: Headroom) -> list[tuple[bytes, bytes
     return out
 
 
+_DAY: tuple[int, str] = (-1, "")  # (UTC day since the epoch, its key): the last day asked for
+
+
 def day_key(now: float | None = None) -> str:
-    return datetime.fromtimestamp(time.time() if now is None else now, timezone.utc).strftime("%Y%m%d")
+    """The UTC day of ``now`` (wall seconds; None: now) as ``YYYYMMDD``. (Asked on every request of a tenant
+    with a budget, and formatting a date costs microseconds: the last day's key is kept. A Unix day is
+    86,400 s, so its number is the timestamp's floor division.)"""
+    global _DAY
+    now = time.time() if now is None else now
+    day = int(now // 86400)
+    if day != _DAY[0]:
+        _DAY = (day, datetime.fromtimestamp(day * 86400, timezone.utc).strftime("%Y%m%d"))
+    return _DAY[1]
 
 
 def seconds_to_midnight(now: float | None = None) -> float:

@@ -514,6 +514,14 @@ class PoolQueue:
 
     def offer(self, t: Ticket, now: float) -> Decision:
         """Admit, queue or shed a new ticket. Admitted and queued ones hold a place until released."""
+        pinned = self.capacity.pin()  # (one look at the replicas for the whole decision)
+        try:
+            return self._offer(t, now)
+        finally:
+            if pinned:
+                self.capacity.unpin()
+
+    def _offer(self, t: Ticket, now: float) -> Decision:
         self._now = now
         self._prefills_due(now)
         self.capacity.judge_live(now, self.inflight)
@@ -543,7 +551,9 @@ class PoolQueue:
                 self.retries_unproven += 1
         if held is not None:
             t.since, t.sheds = held[1], held[2]
-        budget = self.budget(t, now)
+        # (its budget matters for the places held for retries, and for a shed: nothing else reads it, so a
+        # pool that holds no place for a retry admits without computing it)
+        budget = self.budget(t, now) if held is not None or self._held_by else None
         # A returning request is behind only the places promised before its own; a new one is behind
         # every place that falls due within its budget. A tenant under its fair share (others active) is
         # behind only its own: it may use the headroom the others leave, and the heavy tenant's promised
@@ -553,11 +563,14 @@ class PoolQueue:
         # A returning retry does not count places already RESERVATION_LATE_S past their time: their clients
         # (told the same kind of Retry-After) did not come, most often because they had used their last retry.
         reserved = round(self._reserved_until(held[0], mine, now - RESERVATION_LATE_S) if held is not None
-                         else self._reserved_until(now + max(0.0, budget), mine))
-        wait = self.predict_wait(t, now, reserved)
-        if wait == 0.0 and self.ahead_of(t) == 0:
+                         else self._reserved_until(now + max(0.0, budget), mine) if budget is not None else 0)
+        ahead = self.ahead_of(t)
+        wait = self._place_wait(ahead + reserved + 1, t, now)  # (``predict_wait``, ``ahead`` counted once)
+        if wait == 0.0 and ahead == 0:
             self._admit(t, now)
             return Decision("admit")
+        if budget is None:
+            budget = self.budget(t, now)
         if self.queued >= self.max_queue:
             return self._shed(t, "queue_full", wait or 0.0, now)
         if t.cls == 2:  # sheddable: only ever fills a free slot
@@ -1011,6 +1024,14 @@ class PoolQueue:
         """An admitted request ended (however): free its slot, correct its charge, learn, dispatch."""
         if t.state != "admitted":
             return []
+        pinned = self.capacity.pin()
+        try:
+            return self._release(t, now, sample, actual_tokens)
+        finally:
+            if pinned:
+                self.capacity.unpin()
+
+    def _release(self, t: Ticket, now: float, sample: Sample | None, actual_tokens: int | None) -> list[Ticket]:
         t.state = "released"
         self._now = now
         self.inflight -= 1
