@@ -123,7 +123,7 @@ class Reply:
         closers, self._closers = self._closers, []
         for fn in reversed(closers):
             r = fn()
-            if asyncio.iscoroutine(r):
+            if r is not None and asyncio.iscoroutine(r):  # (None, most closers' result, is an ABC check each)
                 await r
 
     def header(self, name: bytes) -> bytes | None:

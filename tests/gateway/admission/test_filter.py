@@ -551,3 +551,20 @@ def test_two_replicas_settle_a_retrys_return_through_redis(redis_url):
             drop_redis_keys(redis_url, adm["redis_prefix"])
 
     asyncio.run(go())
+
+
+def test_the_in_process_cost_benchmark_runs_the_filter_on_every_path_it_times():
+    """``benchmarks/admission_cpu.py`` (docs/benchmarks.md section 13) times the real filter: a short run
+    of each of its modes admits its requests and reports a cost."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    for mode in ([], ["--tenant"], ["--stream"]):
+        out = subprocess.run([sys.executable, str(root / "benchmarks" / "admission_cpu.py"), "--requests", "300",
+                              "--repeats", "1", *mode], capture_output=True, text=True, timeout=120, check=True).stdout
+        m = re.search(r"the filter costs (-?[\d.]+) us .*'admit': (\d+)", out)
+        assert m is not None, out
+        assert float(m.group(1)) > 0 and int(m.group(2)) >= 0.9 * (2000 + 300)  # (warm-up and timed: a few queue)
