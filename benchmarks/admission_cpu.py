@@ -8,9 +8,12 @@ when each is offered (the overhead benchmark's c=16). The same loop through a no
 the difference is the filter's cost per request.
 
     python benchmarks/admission_cpu.py [--requests 20000] [--repeats 5] [--inflight 16] [--tenant] [--stream]
+        [--body-kb N]
 
 ``--tenant``: the requests carry a tenant with rpm, tpm and a budget (the limits' and the budget's
-bookkeeping, in-process); ``--stream``: streamed requests (a first token each, its hook called).
+bookkeeping, in-process); ``--stream``: streamed requests (a first token each, its hook called);
+``--body-kb``: each request's body about that many KB (a long conversation; each body its own bytes, as
+each request's are).
 Reports the median over repeats of the per-request time with the filter and with the no-op, in us.
 """
 
@@ -36,8 +39,12 @@ from usefulwork.gateway.pipeline import Call, Reply, Services  # noqa: E402
 from usefulwork.upstream.fleet import Fleet  # noqa: E402
 
 MODEL = "m"
-BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hello " * 8}], "max_tokens": 16}
-RAW = orjson.dumps(BODY)
+
+
+def body_of(kb: float) -> tuple[dict, bytes]:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hello " * max(8, int(kb * 1024 / 6))}],
+            "max_tokens": 16}
+    return body, orjson.dumps(body)
 
 
 def build(tenant: bool) -> tuple[AdmissionFilter, Fleet]:
@@ -61,15 +68,18 @@ async def backend(call: Call) -> Reply:
     return Reply(200, body=b"{}")
 
 
-async def run(flt, fleet: Fleet, requests: int, inflight: int, tenant: bool, stream: bool) -> float:
+async def run(flt, fleet: Fleet, requests: int, inflight: int, tenant: bool, stream: bool, kb: float = 0.0) -> float:
     pool = fleet.pool_for_model(MODEL)
+    body, raw = body_of(kb)
+    raws = [bytes(bytearray(raw)) for _ in range(64)]  # (a bytes object caches its hash: fresh ones, reused)
     headers = [(b"content-type", b"application/json")]
     name = "t" if tenant else "default"
     open_replies: list[Reply] = []
     t0 = time.perf_counter()
     for i in range(requests):
         ctx = RequestContext(id="r", endpoint="chat", model=MODEL, stream=stream, tenant=name)
-        call = Call(ctx=ctx, op="chat", path=b"/v1/chat/completions", body=BODY, raw=RAW, pool=pool, headers=headers)
+        call = Call(ctx=ctx, op="chat", path=b"/v1/chat/completions", body=body, raw=bytes(bytearray(raws[i % 64])),
+                    pool=pool, headers=headers)
         reply = await flt(call, backend)
         open_replies.append(reply)
         if len(open_replies) > inflight:
@@ -86,21 +96,22 @@ def main() -> int:
     ap.add_argument("--inflight", type=int, default=16)
     ap.add_argument("--tenant", action="store_true")
     ap.add_argument("--stream", action="store_true")
+    ap.add_argument("--body-kb", type=float, default=0.0)
     a = ap.parse_args()
 
     async def go():
         adm, fleet = build(a.tenant)
         noop = NoopFilter()
-        await run(adm, fleet, 2000, a.inflight, a.tenant, a.stream)  # warm: the capacity has samples
+        await run(adm, fleet, 2000, a.inflight, a.tenant, a.stream, a.body_kb)  # warm: the capacity has samples
         with_f, without = [], []
         for _ in range(a.repeats):
-            without.append(await run(noop, fleet, a.requests, a.inflight, a.tenant, a.stream))
-            with_f.append(await run(adm, fleet, a.requests, a.inflight, a.tenant, a.stream))
+            without.append(await run(noop, fleet, a.requests, a.inflight, a.tenant, a.stream, a.body_kb))
+            with_f.append(await run(adm, fleet, a.requests, a.inflight, a.tenant, a.stream, a.body_kb))
         return statistics.median(with_f), statistics.median(without), adm
 
     w, wo, adm = asyncio.run(go())
     print(f"admission {w:.1f} us/request, no-op {wo:.1f} us/request: the filter costs {w - wo:.1f} us "
-          f"(inflight {a.inflight}, tenant {a.tenant}, stream {a.stream}; decisions {dict(adm.decisions)})")
+          f"(inflight {a.inflight}, tenant {a.tenant}, stream {a.stream}, body {a.body_kb:g} KB; decisions {dict(adm.decisions)})")
     return 0
 
 

@@ -222,6 +222,40 @@ def test_shed_at_arrival_is_429_with_retry_after_and_reason():
     assert f.stats()["pools"]["p"]["shed_demand"] == 1  # and /usefulwork/stats shows it
 
 
+def test_a_request_admitted_with_no_place_held_is_never_hashed_and_a_shed_ones_retry_finds_its_place(monkeypatch):
+    """The retry key (a hash of tenant and body: ~30 us for a 100 KB body) is computed only where the queue
+    needs it: a shed holds a place under it, and the retry with the same body takes that place back."""
+    import usefulwork.gateway.admission.filter as filter_module
+
+    hashed = []
+    real = filter_module._retry_key
+
+    def counted(tenant, raw, body):
+        key_of = real(tenant, raw, body)
+        return lambda: hashed.append(tenant) or key_of()
+
+    monkeypatch.setattr(filter_module, "_retry_key", counted)
+    f = make_filter(make_cfg(admission={"initial_concurrency": 1, "max_concurrency": 1}))
+
+    async def go():
+        be = Backend(hold=True)
+        first = asyncio.create_task(f(make_call(f), be))
+        await asyncio.sleep(0.01)
+        assert hashed == []  # admitted, nothing held: no hash
+        q = f.queues["p"]
+        q.capacity.service, q.capacity.svc_ttft = 10.0, 0.1  # one slot frees every 10 s
+        shed = await f(make_call(f), be)
+        assert shed.status == 429 and hashed == ["default"] and len(q.reservations) == 1
+        be.gates[0].set()
+        await (await first).aclose()
+        be.hold = False
+        retry = await f(make_call(f), be)  # the same body: the place held for it
+        assert retry.status == 200 and q.retries_honoured == 1 and len(q.reservations) == 0
+        await retry.aclose()
+
+    asyncio.run(go())
+
+
 def test_retries_are_exported_by_how_they_were_priced():
     """A shed request's retry takes its held place (held); a tenant's retry with no place left here is
     priced as holding one due now (due_now); a request numbered as a retry whose tenant was never shed

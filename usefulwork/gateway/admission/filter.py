@@ -113,6 +113,13 @@ def _retried(raw: bytes | None) -> int | None:
         return None
 
 
+def _retry_key(tenant: str, raw: bytes | None, body: dict) -> Callable[[], int]:
+    """A request's retry key, computed when the queue first needs it (``Ticket.key_of``): the hash of its
+    tenant and body (a retry sends the same body, so it finds the place held for it). The body as the
+    client sent it, or, where a filter before this one changed it, re-encoded with sorted keys."""
+    return lambda: hash((tenant, raw if raw is not None else orjson.dumps(body, option=orjson.OPT_SORT_KEYS)))
+
+
 def _error(status: int, message: str, code: str, headers: list[tuple[bytes, bytes]] | None = None,
            param: str | None = None, type_: str | None = None) -> Reply:
     body = error_body(status, message, code=code, param=param, type_=type_)
@@ -262,9 +269,8 @@ class AdmissionFilter:
         queue = self.queue_for(call)
         now = self.clock()
         cls = PRIORITIES.index(p)
-        raw = call.raw if call.raw is not None else orjson.dumps(call.body, option=orjson.OPT_SORT_KEYS)
         t = Ticket(ctx.tenant, cls, float(tokens), now, now + self.deadline_s[cls], max_tokens=max_tokens,
-                   key=hash((ctx.tenant, raw)) or 1,  # a retry sends the same body: it finds its reserved place
+                   key_of=_retry_key(ctx.tenant, call.raw, call.body),
                    stream=ctx.stream, retried=_retried(call.header(RETRY_COUNT_HEADER)))
         timeout = client_timeout_s(call)
         if timeout is not None:

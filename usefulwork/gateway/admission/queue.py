@@ -128,10 +128,19 @@ class Ticket:
     # The client gives up then (the timeout it declares: filter.CLIENT_TIMEOUT_HEADERS): a stream's first
     # token, a unary answer's whole body must come before. None: it declares none.
     gone_at: float | None = None
+    # Computes ``key`` where it is 0, the first time the queue needs it (places are held here, or the ticket
+    # is shed): hashing a 100 KB body cost ~30 us, and most requests are admitted with no place held.
+    key_of: Callable[[], int] | None = None
 
     @property
     def priority(self) -> str:
         return PRIORITIES[self.cls]
+
+    def retry_key(self) -> int:
+        """``key``, computed by ``key_of`` on first use (0: no key)."""
+        if not self.key and self.key_of is not None:
+            self.key, self.key_of = self.key_of() or 1, None
+        return self.key
 
     @property
     def engine_priority(self) -> int:
@@ -532,7 +541,8 @@ class PoolQueue:
             self._top_seen = now
         # (A first attempt the client numbered is not a retry: an identical request of the same tenant in
         # flight, or shed, must not give it the place held for that one's retry.)
-        held = self._take_reservation(0 if t.retried == 0 else t.key, now, t.tenant if t.retried else None)
+        held = self._take_reservation(0 if t.retried == 0 or not self._held else t.retry_key(), now,
+                                      t.tenant if t.retried else None)
         if held is None and t.retried:
             # A retry with no place here at all: the gateway replica that shed it holds its place (this one
             # holds none left for its tenant), or its place was let go while it waited. Its client waited
@@ -614,7 +624,7 @@ class PoolQueue:
         if not t.sheds and not t.retried:
             self._shed_at.append(now)
             self.shed_demand(now)  # (pruned here too: nothing may read it)
-        if t.key:  # (how many of its clients number their attempts: its return prior, ``return_rate``)
+        if t.retry_key():  # (how many of its clients number their attempts: its return prior, ``return_rate``)
             was = self.numbered.get(t.tenant)
             now_numbered = float(t.retried is not None)
             self.numbered[t.tenant] = now_numbered if was is None else was + RETURN_EWMA * (now_numbered - was)
@@ -659,7 +669,7 @@ class PoolQueue:
         retry = max(retry, first, 0.05)
         # (A client numbering its attempts, told more than its SDK honours, gives up: no place is held for
         # it, where it would sit free in a full pool until its time and count ahead of every later shed.)
-        if t.cls < 2 and t.key and not (t.retried is not None and retry > SDK_RETRY_AFTER_MAX_S):
+        if t.cls < 2 and t.retry_key() and not (t.retried is not None and retry > SDK_RETRY_AFTER_MAX_S):
             self._reserve(now + retry, t.key, t.tenant, now, t.sheds + 1)
         return retry
 
