@@ -256,6 +256,20 @@ def test_a_request_admitted_with_no_place_held_is_never_hashed_and_a_shed_ones_r
     asyncio.run(go())
 
 
+@pytest.mark.parametrize("op", ["chat", "responses"])
+def test_a_body_a_filter_changed_is_estimated_as_the_one_sent(op):
+    """A filter before admission (the router: its pool's model) leaves no raw body: the estimate is the
+    re-encoded body's, as the raw one's would be, for every endpoint (a Responses body's text is ``input``,
+    which the old estimate did not read: 1 token)."""
+    from usefulwork.gateway.admission.filter import expected_tokens
+
+    f = make_filter(make_cfg())
+    call = make_call(f, op=op)
+    sent = expected_tokens(call)
+    call.set_body(dict(call.body))  # (as the router does, with its pool's model)
+    assert call.raw is None and expected_tokens(call) == sent and sent[0] > 30
+
+
 def test_retries_are_exported_by_how_they_were_priced():
     """A shed request's retry takes its held place (held); a tenant's retry with no place left here is
     priced as holding one due now (due_now); a request numbered as a retry whose tenant was never shed

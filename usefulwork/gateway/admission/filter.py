@@ -139,9 +139,12 @@ def cap_max_tokens(call: Call, n: int) -> None:
 
 
 def expected_tokens(call: Call) -> tuple[int, int | None]:
-    """(prompt tokens, max_tokens) expected before the backend counts: ~4 bytes of JSON per token."""
+    """(prompt tokens, max_tokens) expected before the backend counts: ~4 bytes of JSON per token, of the
+    body as sent, or re-encoded where a filter before this one changed it (the router: its pool's model).
+    (That case read the Python repr of ``messages`` or ``prompt`` only: 245 us for a 100 KB conversation,
+    and a Responses or embeddings body, whose text is ``input``, counted as 1 token.)"""
     raw = call.raw
-    size = len(raw) if raw is not None else len(str(call.body.get("messages") or call.body.get("prompt") or ""))
+    size = len(raw) if raw is not None else len(orjson.dumps(call.body))
     return max(1, size // 4), max_tokens_of(call.body)
 
 
