@@ -83,6 +83,11 @@ class TenantCfg(_Strict):
         """It has an rpm, a tpm or a budget: something to count (shared through Redis across gateways)."""
         return self.rpm is not None or self.tpm is not None or self.budget_usd_per_day is not None
 
+    @property
+    def settles(self) -> bool:
+        """It has a tpm or a budget: an answer's actual tokens and cost are sent to its limits when it ends."""
+        return self.tpm is not None or self.budget_usd_per_day is not None
+
     @model_validator(mode="after")
     def _default_within_max(self) -> TenantCfg:
         if self.max_priority is not None and PRIORITIES.index(self.priority) < PRIORITIES.index(self.max_priority):

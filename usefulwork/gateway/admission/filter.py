@@ -439,15 +439,15 @@ class AdmissionFilter:
     def _finish(self, queue: PoolQueue, t: Ticket, call: Call, tenant_cfg, tokens: int):
         self._release(queue, t, call, ok=True)
         ctx = call.ctx
-        if ctx.usage_source == "none" or (tenant_cfg.tpm is None and tenant_cfg.budget_usd_per_day is None):
-            return None  # (nothing to settle: ``_settle`` would do nothing)
+        if ctx.usage_source == "none" or not tenant_cfg.settles:
+            return None  # (nothing to settle)
         from usefulwork.gateway.accounting.costing import price_sheet_cost  # noqa: PLC0415
 
         usd = price_sheet_cost(call.pool.cfg if call.pool is not None else None, ctx)
         return self._settle(ctx.tenant, tenant_cfg, ctx.prompt_tokens + ctx.completion_tokens - tokens, usd)
 
     async def _settle(self, tenant: str, cfg, token_delta: int, usd: float) -> None:
-        if cfg.tpm is None and cfg.budget_usd_per_day is None:
+        if not cfg.settles:
             return
         try:
             await self.limits.settle(tenant, cfg, token_delta, usd)

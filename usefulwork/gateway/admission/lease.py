@@ -260,7 +260,7 @@ class LeasedLimits(RedisLimits):
 
     # -- after the answer --
     async def settle(self, tenant: str, cfg: TenantCfg, token_delta: int, usd: float) -> None:
-        if cfg.tpm is None and cfg.budget_usd_per_day is None:
+        if not cfg.settles:
             return
         self._start()
         st = self.leases.get(tenant)

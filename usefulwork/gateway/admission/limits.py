@@ -287,7 +287,7 @@ class RedisLimits:
         return Verdict(False, reason, seconds_to_midnight() if r < 0 else r)
 
     async def settle(self, tenant: str, cfg: TenantCfg, token_delta: int, usd: float) -> None:
-        if cfg.tpm is None and cfg.budget_usd_per_day is None:
+        if not cfg.settles:
             return
         k = self._keys(tenant)
         await self._settle(keys=[k[1], k[2]], args=[cfg.tpm or 0, token_delta,
