@@ -1904,10 +1904,10 @@ def test_an_offer_and_a_release_each_look_at_the_replicas_once_and_the_next_deci
     assert q.offer(ticket(0.6), 0.6).kind != "admit" and q.inflight == 6
     assert cap.current() == 3
 
-    def boom(t, now):
+    def boom(now):
         raise RuntimeError("a decision that fails")
 
-    q._offer = boom
+    q._prefills_due = boom  # (the first thing an offer does)
     with pytest.raises(RuntimeError):
         q.offer(ticket(0.7), 0.7)
     assert cap._pinned is None  # (a later read looks again)

@@ -69,6 +69,7 @@ loop's clock, the tests with a virtual one.
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
 import itertools
 import math
@@ -94,6 +95,20 @@ OVERSHOOT = 1.1  # a queued ticket at its latest start may exceed the limit by t
 SDK_RETRY_AFTER_MAX_S = 120.0
 QUEUE_SAFETY = 0.75  # queue only when the predicted wait leaves a quarter of the budget spare (slots free in clumps)
 State = Literal["new", "queued", "admitted", "released", "shed", "cancelled"]
+
+
+def _one_look(decide: Callable[..., Any]) -> Callable[..., Any]:
+    """A queue decision (``PoolQueue.offer``, ``release``) with the replicas pinned for all of it
+    (``Capacity.pin``): one look at them, never kept past its end, an exception included."""
+    @functools.wraps(decide)
+    def pinned(self: PoolQueue, *args: Any, **kwargs: Any) -> Any:
+        took = self.capacity.pin()
+        try:
+            return decide(self, *args, **kwargs)
+        finally:
+            if took:
+                self.capacity.unpin()
+    return pinned
 
 
 @dataclass(slots=True, eq=False)
@@ -521,16 +536,9 @@ class PoolQueue:
         pending, places = gate
         return max(est, self.capacity.prefill_wait(min(pending, places - 1) + 1))
 
+    @_one_look
     def offer(self, t: Ticket, now: float) -> Decision:
         """Admit, queue or shed a new ticket. Admitted and queued ones hold a place until released."""
-        pinned = self.capacity.pin()  # (one look at the replicas for the whole decision)
-        try:
-            return self._offer(t, now)
-        finally:
-            if pinned:
-                self.capacity.unpin()
-
-    def _offer(self, t: Ticket, now: float) -> Decision:
         self._now = now
         self._prefills_due(now)
         self.capacity.judge_live(now, self.inflight)
@@ -1030,18 +1038,11 @@ class PoolQueue:
         self._remove(t)
         t.state = "cancelled"
 
+    @_one_look
     def release(self, t: Ticket, now: float, sample: Sample | None = None, actual_tokens: int | None = None) -> list[Ticket]:
         """An admitted request ended (however): free its slot, correct its charge, learn, dispatch."""
         if t.state != "admitted":
             return []
-        pinned = self.capacity.pin()
-        try:
-            return self._release(t, now, sample, actual_tokens)
-        finally:
-            if pinned:
-                self.capacity.unpin()
-
-    def _release(self, t: Ticket, now: float, sample: Sample | None, actual_tokens: int | None) -> list[Ticket]:
         t.state = "released"
         self._now = now
         self.inflight -= 1
