@@ -40,11 +40,16 @@ LLAMA_8B = dict(layers=32, hidden=4096, inter=14336, q_heads=32, kv_heads=8, hea
 TINY = dict(layers=2, hidden=256, inter=512, q_heads=4, kv_heads=2, head_dim=64, vocab=1000)  # --tiny: a CPU check
 PROMPT = 512  # the admission and burst experiments' prompt length
 
-# (decode sequences, their context, packed 512-token prefills)
-STEPS = ([(b, 640, 0) for b in (1, 8, 32, 128, 256)]
-         + [(b, 2048, 0) for b in (1, 8, 32, 128, 256)]
-         + [(0, 0, n) for n in (1, 4, 16)]
-         + [(64, 640, 4), (256, 640, 4), (128, 640, 16)])
+# (decode sequences, their context, packed prefills, each prefill's prompt tokens)
+STEPS = ([(b, 640, 0, PROMPT) for b in (1, 8, 32, 128, 256)]
+         + [(b, 2048, 0, PROMPT) for b in (1, 8, 32, 128, 256)]
+         + [(0, 0, n, PROMPT) for n in (1, 4, 16)]
+         + [(64, 640, 4, PROMPT), (256, 640, 4, PROMPT), (128, 640, 16, PROMPT)])
+# --long: contexts and prompts the fit never saw (RAG and long-chat traffic), to check how it extrapolates
+LONG_STEPS = ([(b, 8192, 0, PROMPT) for b in (1, 8, 32, 64)]
+              + [(b, 32768, 0, PROMPT) for b in (1, 4, 16)]
+              + [(0, 0, 1, t) for t in (2048, 8192, 32768)] + [(0, 0, 4, 2048)]
+              + [(32, 8192, 1, 2048), (8, 32768, 1, 8192)])
 
 
 # -- measure (GPU machine) --
@@ -78,9 +83,10 @@ def measure(args) -> int:
             return F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
                                                   is_causal=True)
 
-    def step(tok, kc, vc, b, ctx, n):
-        """One engine step: ``b`` decodes at context ``ctx`` (KV caches kc/vc per layer) + ``n`` prefills."""
-        h = F.embedding(tok, emb)  # [b + n*PROMPT, H]
+    def step(tok, kc, vc, b, ctx, n, prompt):
+        """One engine step: ``b`` decodes at context ``ctx`` (KV caches kc/vc per layer) + ``n`` prefills of
+        ``prompt`` tokens each."""
+        h = F.embedding(tok, emb)  # [b + n*prompt, H]
         nd = b
         for li, L in enumerate(layers):
             a = F.rms_norm(h, (H,), L["ln1"], 1e-5)
@@ -95,17 +101,17 @@ def measure(args) -> int:
                 o = F.scaled_dot_product_attention(q, kc[li], vc[li])  # [b, kvh, group, hd]
                 outs.append(o.reshape(nd, qd))
             if n:
-                p = qkv[nd:].view(n, PROMPT, -1)
-                q = p[..., :qd].view(n, PROMPT, d["q_heads"], hd).transpose(1, 2)
-                k = p[..., qd:qd + kvd].view(n, PROMPT, d["kv_heads"], hd).transpose(1, 2)
-                v = p[..., qd + kvd:].view(n, PROMPT, d["kv_heads"], hd).transpose(1, 2)
-                outs.append(attn_prefill(q, k, v).transpose(1, 2).reshape(n * PROMPT, qd))
+                p = qkv[nd:].view(n, prompt, -1)
+                q = p[..., :qd].view(n, prompt, d["q_heads"], hd).transpose(1, 2)
+                k = p[..., qd:qd + kvd].view(n, prompt, d["kv_heads"], hd).transpose(1, 2)
+                v = p[..., qd + kvd:].view(n, prompt, d["kv_heads"], hd).transpose(1, 2)
+                outs.append(attn_prefill(q, k, v).transpose(1, 2).reshape(n * prompt, qd))
             o = outs[0] if len(outs) == 1 else torch.cat(outs)
             h = h + F.linear(o, L["wo"])
             a = F.rms_norm(h, (H,), L["ln2"], 1e-5)
             g, u = F.linear(a, L["wgu"]).chunk(2, dim=-1)
             h = h + F.linear(F.silu(g) * u, L["wd"])
-        last = h if not n else torch.cat([h[:nd], h[nd:].view(n, PROMPT, H)[:, -1]])
+        last = h if not n else torch.cat([h[:nd], h[nd:].view(n, prompt, H)[:, -1]])
         return F.linear(F.rms_norm(last, (H,), norm, 1e-5), lm)
 
     def timed(fn, reps):
@@ -140,37 +146,38 @@ def measure(args) -> int:
     cp = timed(lambda: big2.copy_(big), 10)
     del a, big, big2
     res = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__, "params": params,
+
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "matmul_8192_tflops": 2 * side**3 / mm[len(mm) // 2] / 1e12,
            "copy_tbps": 2 * nbytes / cp[len(cp) // 2] / 1e12, "steps": []}
     print(json.dumps({k: v for k, v in res.items() if k != "steps"}), flush=True)
-    for b, ctx, n in STEPS:
+    for b, ctx, n, prompt in STEPS + (LONG_STEPS if args.long else []):
         free = torch.cuda.mem_get_info()[0] if cuda else 1 << 40
         kv_bytes = 2 * d["layers"] * b * d["kv_heads"] * (ctx + 1) * hd * 2
         if kv_bytes + 6 * 1024**3 > free:
-            print(f"skip b={b} ctx={ctx} n={n}: KV {kv_bytes / 1e9:.1f} GB > free {free / 1e9:.1f} GB", flush=True)
+            print(f"skip b={b} ctx={ctx} n={n}x{prompt}: KV {kv_bytes / 1e9:.1f} GB > free {free / 1e9:.1f} GB", flush=True)
             continue
         kc = [torch.zeros(b, d["kv_heads"], ctx + 1, hd, device=dev, dtype=dt) for _ in range(d["layers"])] if b else []
         vc = [torch.zeros_like(t) for t in kc]
         for t in kc + vc:
             t.normal_(0.0, 1.0, generator=gen)
-        tok = torch.randint(0, d["vocab"], (b + n * PROMPT,), device=dev, generator=gen)
+        tok = torch.randint(0, d["vocab"], (b + n * prompt,), device=dev, generator=gen)
         with torch.no_grad():
             if cuda:
                 warm = torch.cuda.Stream()
                 warm.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(warm):
                     for _ in range(3):
-                        step(tok, kc, vc, b, ctx, n)
+                        step(tok, kc, vc, b, ctx, n, prompt)
                 torch.cuda.current_stream().wait_stream(warm)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
-                    step(tok, kc, vc, b, ctx, n)
+                    step(tok, kc, vc, b, ctx, n, prompt)
                 ts = timed(graph.replay, args.reps)
             else:
                 graph = None
-                ts = timed(lambda: step(tok, kc, vc, b, ctx, n), 2)
-        row = {"decode_seqs": b, "context": ctx, "prefills": n, "prefill_tokens": n * PROMPT,
+                ts = timed(lambda: step(tok, kc, vc, b, ctx, n, prompt), 2)
+        row = {"decode_seqs": b, "context": ctx, "prefills": n, "prompt": prompt, "prefill_tokens": n * prompt,
                "p50_ms": ts[len(ts) // 2] * 1e3, "min_ms": ts[0] * 1e3, "max_ms": ts[-1] * 1e3}
         res["steps"].append(row)
         print(json.dumps(row), flush=True)
@@ -183,12 +190,17 @@ def measure(args) -> int:
 
 # -- fit (here) --
 
-def _plan(b: int, ctx: int, n: int):
+def _prompt(row: dict) -> int:
+    return row.get("prompt", PROMPT)  # runs before --long timed 512-token prompts alone
+
+
+def _plan(row: dict):
     from usefulwork.backends.sim.scheduler import ScheduledItem, StepPlan
 
+    b, ctx, n, prompt = row["decode_seqs"], row["context"], row["prefills"], _prompt(row)
     items = [ScheduledItem(None, num_new_tokens=1, context_before=ctx) for _ in range(b)]
-    items += [ScheduledItem(None, num_new_tokens=PROMPT, context_before=0) for _ in range(n)]
-    return StepPlan(items=items, preempted=[], num_prefill_tokens=n * PROMPT, num_decode_tokens=b)
+    items += [ScheduledItem(None, num_new_tokens=prompt, context_before=0) for _ in range(n)]
+    return StepPlan(items=items, preempted=[], num_prefill_tokens=n * prompt, num_decode_tokens=b)
 
 
 def _timer(gpu: str, cal: dict):
@@ -202,7 +214,7 @@ def _timer(gpu: str, cal: dict):
 
 
 def _kernel_s(timer, row) -> float:
-    return timer.cost(_plan(row["decode_seqs"], row["context"], row["prefills"])).seconds
+    return timer.cost(_plan(row)).seconds
 
 
 CAL_KEYS = ("hbm_efficiency", "kv_efficiency", "mfu", "overlap_p")
@@ -214,8 +226,8 @@ def _parts(gpu: str, steps: list[dict]) -> list[tuple[float, float, float]]:
     tm, _ = _timer(gpu, {"hbm_efficiency": 1.0, "kv_efficiency": 1.0, "mfu": 1.0})
     out = []
     for r in steps:
-        c = tm.cost(_plan(r["decode_seqs"], r["context"], r["prefills"]))
-        weights = tm.weight_bytes_read(r["decode_seqs"] + r["prefills"] * PROMPT) / tm._bw
+        c = tm.cost(_plan(r))
+        weights = tm.weight_bytes_read(r["decode_seqs"] + r["prefills"] * _prompt(r)) / tm._bw
         out.append((weights, c.memory_s - weights, c.compute_s))
     return out
 
@@ -253,7 +265,7 @@ def _rows(gpu: str, steps: list[dict], label: str, cal: dict) -> list[dict]:
     out = []
     for r in steps:
         model = _kernel_s(tm, r)
-        out.append({"calibration": label, **{k: r[k] for k in ("decode_seqs", "context", "prefills")},
+        out.append({"calibration": label, **{k: r[k] for k in ("decode_seqs", "context", "prefills")}, "prompt": _prompt(r),
                     "measured_ms": round(r["p50_ms"], 2), "model_ms": round(model * 1e3, 2),
                     "error": round(model / (r["p50_ms"] / 1e3) - 1, 3)})
     return out
@@ -278,9 +290,10 @@ def fit(args) -> int:
            "rows": rows, "held_out": held}
     print(f"{res['device']}: matmul {out['matmul_8192_tflops']} TFLOP/s, copy {out['copy_tbps']} TB/s")
     print(f"catalog {cal0}\nfitted  {fitted}")
-    print(f"{'calibration':<32} {'decode':>6} {'ctx':>5} {'prefills':>8} {'measured ms':>11} {'model ms':>9} {'error':>7}")
+    print(f"{'calibration':<32} {'decode':>6} {'ctx':>5} {'prefills':>10} {'measured ms':>11} {'model ms':>9} {'error':>7}")
     for r in rows + held:
-        print(f"{r['calibration']:<32} {r['decode_seqs']:>6} {r['context']:>5} {r['prefills']:>8} "
+        pre = f"{r['prefills']}x{r['prompt']}" if r["prefills"] else "0"
+        print(f"{r['calibration']:<32} {r['decode_seqs']:>6} {r['context']:>5} {pre:>10} "
               f"{r['measured_ms']:>11.2f} {r['model_ms']:>9.2f} {r['error']:>+7.1%}")
     for label in dict.fromkeys(r["calibration"] for r in rows + held):
         errs = [abs(r["error"]) for r in rows + held if r["calibration"] == label]
@@ -299,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--reps", type=int, default=20)
     m.add_argument("--device", default="cuda")
     m.add_argument("--tiny", action="store_true", help="a 2-layer toy model (with --device cpu: checks the code)")
+    m.add_argument("--long", action="store_true", help="also time contexts to 32K and prompts to 32K tokens "
+                   "(held out of the shipped fit)")
     f = sub.add_parser("fit", help="fit the catalog's efficiencies to a measure run and compare")
     f.add_argument("results")
     f.add_argument("--gpu", default="H200", help="catalog GPU whose bandwidth and peak the fit uses")
