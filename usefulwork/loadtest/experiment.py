@@ -430,9 +430,11 @@ class Gateway(ManagedProcess):
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
-        # (at INFO: every admission limit cut is logged with its reason in gateway-PORT.log beside the results)
+        # (at INFO: every admission limit cut is logged with its reason in gateway-PORT.log beside the results;
+        # USEFULWORK_GATEWAY_LOG_LEVEL=debug adds what each shed at arrival read)
         return [sys.executable, "-m", "usefulwork.cli", "serve", "--config", str(self.config_path),
-                "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "info"]
+                "--host", "127.0.0.1", "--port", str(self.port),
+                "--log-level", os.environ.get("USEFULWORK_GATEWAY_LOG_LEVEL", "info")]
 
     def start(self, timeout_s: float = 60.0) -> "Gateway":
         super().start()

@@ -72,6 +72,7 @@ import bisect
 import functools
 import heapq
 import itertools
+import logging
 import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -80,6 +81,8 @@ from typing import Any, Callable, Literal
 from usefulwork.gateway.admission.capacity import Capacity, Sample, decode_time
 from usefulwork.gateway.admission.config import AdmissionCfg
 from usefulwork.gateway.tenants import PRIORITIES
+
+log = logging.getLogger("usefulwork.admission")
 
 DecisionKind = Literal["admit", "queue", "shed"]
 RESERVATION_GRACE_S = 2.0  # how long past its Retry-After a shed request's place is kept
@@ -596,6 +599,8 @@ class PoolQueue:
         if wait is not None and wait > QUEUE_SAFETY * budget:
             # (where the SLO alone would have let it wait, its client's own timeout is why: it may allow more)
             slo_ok = t.gone_at is not None and wait <= QUEUE_SAFETY * (self._slo_latest(t) - now)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("admission: shed at arrival: %s", self.explain(t, now, ahead, reserved, wait, budget))
             return self._shed(t, "client_timeout" if slo_ok else "predicted_wait", wait, now)
         self._enqueue(t)
         woken = self.pump(now)  # slots may be free (the prediction counted held places as work ahead)
@@ -605,6 +610,24 @@ class PoolQueue:
         if t.cls == 0 and self.queued > sum(len(q) for q in self.queues[0].values()):
             woken.extend(self._overtaken(now))
         return Decision("queue", predicted_wait_s=wait or 0.0, woken=woken)
+
+    def explain(self, t: Ticket, now: float, ahead: int, reserved: int, wait: float | None, budget: float) -> dict:
+        """What a decision on ``t`` read: the gateway's DEBUG line for each shed at arrival (the loadtest's
+        ``USEFULWORK_GATEWAY_LOG_LEVEL=debug``). The decode speed is the largest of its terms (overall, full
+        pool, the replicas' live mean, the load line at the load now)."""
+        cap = self.capacity
+        tpot, out = cap.decode_terms()
+        r3 = lambda x: None if x is None else round(x, 3)  # noqa: E731
+        return {"cls": t.cls, "tenant": t.tenant, "limits": cap.limits(), "inflight": self.inflight,
+                "inflight_by_class": list(self.inflight_cls), "queued": self.queued, "ahead": ahead,
+                "reserved": reserved, "slot_free": self.slot_free(t.cls, t.tenant),
+                "prefill_gate": self.prefill_gate(t.cls, t.tenant), "wait_s": r3(wait), "budget_s": r3(budget),
+                "ttft_budget_s": r3(self.ttft_budget(t, now)), "est_ttft_s": r3(self.est_ttft(t.cls, t.tenant)),
+                "est_e2e_s": r3(cap.est_e2e(t.max_tokens)), "slot_hold_s": r3(cap.slot_hold()), "tpot_s": r3(tpot),
+                "tpot_terms": [r3(cap.tpot), r3(cap.tpot_full), r3(cap.live_tpot_mean),
+                               r3(cap.tpot_at(cap.load_now)), r3(cap.load_now)],
+                "output_cap": out, "prefill_s": r3(cap.prefill_time()),
+                "first_ends_in_s": [round(e - now, 2) for e in self._expected_ends(cap.slot_hold(), tpot, out)[:8]]}
 
     def _overtaken(self, now: float) -> list[Ticket]:
         """Queued lower-class tickets that new interactive work pushed past their budget: shed now."""
