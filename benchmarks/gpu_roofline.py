@@ -146,7 +146,6 @@ def measure(args) -> int:
     cp = timed(lambda: big2.copy_(big), 10)
     del a, big, big2
     res = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__, "params": params,
-
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "matmul_8192_tflops": 2 * side**3 / mm[len(mm) // 2] / 1e12,
            "copy_tbps": 2 * nbytes / cp[len(cp) // 2] / 1e12, "steps": []}
@@ -155,7 +154,8 @@ def measure(args) -> int:
         free = torch.cuda.mem_get_info()[0] if cuda else 1 << 40
         kv_bytes = 2 * d["layers"] * b * d["kv_heads"] * (ctx + 1) * hd * 2
         if kv_bytes + 6 * 1024**3 > free:
-            print(f"skip b={b} ctx={ctx} n={n}x{prompt}: KV {kv_bytes / 1e9:.1f} GB > free {free / 1e9:.1f} GB", flush=True)
+            print(f"skip b={b} ctx={ctx} n={n}x{prompt}: KV {kv_bytes / 1e9:.1f} GB > free {free / 1e9:.1f} GB",
+                  flush=True)
             continue
         kc = [torch.zeros(b, d["kv_heads"], ctx + 1, hd, device=dev, dtype=dt) for _ in range(d["layers"])] if b else []
         vc = [torch.zeros_like(t) for t in kc]
@@ -265,8 +265,8 @@ def _rows(gpu: str, steps: list[dict], label: str, cal: dict) -> list[dict]:
     out = []
     for r in steps:
         model = _kernel_s(tm, r)
-        out.append({"calibration": label, **{k: r[k] for k in ("decode_seqs", "context", "prefills")}, "prompt": _prompt(r),
-                    "measured_ms": round(r["p50_ms"], 2), "model_ms": round(model * 1e3, 2),
+        out.append({"calibration": label, **{k: r[k] for k in ("decode_seqs", "context", "prefills")},
+                    "prompt": _prompt(r), "measured_ms": round(r["p50_ms"], 2), "model_ms": round(model * 1e3, 2),
                     "error": round(model / (r["p50_ms"] / 1e3) - 1, 3)})
     return out
 
