@@ -617,17 +617,18 @@ class PoolQueue:
         pool, the replicas' live mean, the load line at the load now)."""
         cap = self.capacity
         tpot, out = cap.decode_terms()
+        hold = cap.slot_hold()
         r3 = lambda x: None if x is None else round(x, 3)  # noqa: E731
         return {"cls": t.cls, "tenant": t.tenant, "limits": cap.limits(), "inflight": self.inflight,
                 "inflight_by_class": list(self.inflight_cls), "queued": self.queued, "ahead": ahead,
                 "reserved": reserved, "slot_free": self.slot_free(t.cls, t.tenant),
                 "prefill_gate": self.prefill_gate(t.cls, t.tenant), "wait_s": r3(wait), "budget_s": r3(budget),
                 "ttft_budget_s": r3(self.ttft_budget(t, now)), "est_ttft_s": r3(self.est_ttft(t.cls, t.tenant)),
-                "est_e2e_s": r3(cap.est_e2e(t.max_tokens)), "slot_hold_s": r3(cap.slot_hold()), "tpot_s": r3(tpot),
+                "est_e2e_s": r3(cap.est_e2e(t.max_tokens)), "slot_hold_s": r3(hold), "tpot_s": r3(tpot),
                 "tpot_terms": [r3(cap.tpot), r3(cap.tpot_full), r3(cap.live_tpot_mean),
                                r3(cap.tpot_at(cap.load_now)), r3(cap.load_now)],
                 "output_cap": out, "prefill_s": r3(cap.prefill_time()),
-                "first_ends_in_s": [round(e - now, 2) for e in self._expected_ends(cap.slot_hold(), tpot, out)[:8]]}
+                "first_ends_in_s": [round(e - now, 2) for e in self._expected_ends(hold, tpot, out)[:8]]}
 
     def _overtaken(self, now: float) -> list[Ticket]:
         """Queued lower-class tickets that new interactive work pushed past their budget: shed now."""
