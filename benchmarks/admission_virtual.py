@@ -38,6 +38,10 @@ to that run's probe, each ``1 + speed_margin`` as long (``--margin`` to change i
 at that run's rate scale): what its gateway could have done there, and the floor, with the host's own
 step times. ``docs/bench/admission-vllm-results-*.json`` carry the calibrations of the recorded runs.
 
+``--written-lengths`` (with ``--probe``) replays the cells as a run sizes them now, not as the recorded run
+sent them: a server faster than the rates were sized for keeps each cell's written length
+(``experiment.clock_for``); runs before 2026-12-04 squeezed them into 1/F of it.
+
 ``--retry --probe RESULTS`` runs the ``admission-vllm`` experiment's ``burst-retry`` cell on that replica
 (``probed_retry_cell``), after the capacity-0.6 and burst cells admission on runs before it, with the
 loadtest client's timeout (30 s from the first send; a Retry-After that would outlast it is not waited
@@ -586,9 +590,20 @@ def main() -> int:
     ap.add_argument("--margin", type=float, default=None,
                     help="with --probe: every step this much longer than probed (default: the run's speed_margin)")
     ap.add_argument("--margins", default=None, help="with --burst: several margins, e.g. 0,0.1,0.15 (each run)")
+    ap.add_argument("--written-lengths", action="store_true",
+                    help="with --probe: the cells as a run sizes them now (experiment.clock_for: a server faster than "
+                         "the rates were sized for keeps each cell's written length), not as the recorded run did")
     ap.add_argument("--gateways", type=int, default=1,
                     help="with --retry: gateway processes behind a round-robin load balancer (each attempt to the next)")
     args = ap.parse_args()
+
+    def load(path: Path) -> dict[str, Any]:
+        results = json.loads(path.read_text())
+        if args.written_lengths:
+            cal = results["calibration"]
+            cal["time_scale"] = experiment_mod.clock_for(cal["rate_scale"])
+        return results
+
     if args.restart:
         data = restarts(_seeds(args.seeds))
         if args.json:
@@ -598,14 +613,14 @@ def main() -> int:
         if not args.probe:
             raise SystemExit("--burst needs --probe RESULTS")
         rules = args.rule or [f"tail:{AdmissionCfg().target_fraction:g}"]
-        probes = {p.name: json.loads(p.read_text()) for p in args.probe}
+        probes = {p.name: load(p) for p in args.probe}
         margins = [float(m) for m in args.margins.split(",")] if args.margins else [args.margin]
         data = probed_bursts(_seeds(args.seeds), probes, rules, margins)
         if args.json:
             args.json.write_text(json.dumps(data, indent=1))
         return 0
     if args.retry:
-        probe = json.loads(args.probe[0].read_text()) if args.probe else None
+        probe = load(args.probe[0]) if args.probe else None
         data = retries(_seeds(args.seeds), args.gateways, probe, args.margin)
         if args.json:
             args.json.write_text(json.dumps(data, indent=1))
@@ -613,7 +628,7 @@ def main() -> int:
     if args.classes:
         host = admission_clock.A100
         if args.probe:
-            host = admission_clock.probed_host(json.loads(args.probe[0].read_text()), args.probe[0].name, args.margin)
+            host = admission_clock.probed_host(load(args.probe[0]), args.probe[0].name, args.margin)
         data = classes(_seeds(args.seeds), host)
         if args.json:
             args.json.write_text(json.dumps(data, indent=1))

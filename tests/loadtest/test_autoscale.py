@@ -183,6 +183,35 @@ def test_a_recorded_real_burst_replays_its_live_cut_and_the_tpot_hold_band_serve
     assert band["goodput_per_s"] > 1.05 * before["goodput_per_s"]
 
 
+def test_a_fast_hosts_burst_at_its_written_length_is_the_overload_it_was_sized_to_be(monkeypatch):
+    """Session 51's AMX host (F = 2.32) on its probe's fitted steps, the run's own arrivals (seed 0) and a
+    fresh draw. Squeezed into 1/F of its length, as that run sent it, the burst left admission off a
+    backlog it drained within the 30 s SLO (all 63 served within it, there and here), so "goodput above
+    admission off" could not be met. At its written length (experiment.clock_for: rates x F over the same
+    seconds) admission off lets most of its answers miss the SLO, and admission on serves what it admits
+    within it, at several times off's goodput."""
+    import json
+    from pathlib import Path
+
+    from benchmarks import admission_virtual as av
+    from usefulwork.gateway.admission import capacity
+    from usefulwork.loadtest import autoscale
+    from usefulwork.loadtest.experiment import clock_for
+
+    for owner, name in ((autoscale, "AdmissionCfg"), (autoscale, "Capacity"), (capacity.Capacity, "tail")):
+        monkeypatch.setattr(owner, name, getattr(owner, name))  # (``with_rule`` patches them: restored after)
+    run = json.loads((Path(__file__).resolve().parents[2] / "docs/bench/admission-vllm-results-s51.json").read_text())
+    squeezed = av.probed_burst_cell(0, run, None, margin=0.0)
+    assert squeezed["sent"] == 63 and squeezed["attainment_served"] == 1.0  # as the real run: no overload
+    run["calibration"]["time_scale"] = clock_for(run["calibration"]["rate_scale"])
+    for seed in (0, 1):
+        off = av.probed_burst_cell(seed, run, None, margin=0.0)
+        on = av.probed_burst_cell(seed, run, av.with_rule("tail:0.75"), margin=0.0)
+        assert off["sent"] > 2 * squeezed["sent"] and off["attainment_served"] < 0.5, off
+        assert on["attainment_served"] == 1.0 and on["timeouts"] == 0, on
+        assert on["goodput_per_s"] > 4 * off["goodput_per_s"], (on, off)
+
+
 def test_first_retries_are_admitted_behind_gateways_that_do_not_share_their_held_places():
     """The same cell behind three gateway processes and a round-robin load balancer (each attempt to the
     next): a client's retry reaches another gateway than the one that shed it, which holds no place for

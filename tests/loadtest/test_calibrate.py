@@ -59,8 +59,10 @@ def test_the_probe_estimates_the_simulated_servers_capacity_and_scales_every_rat
     assert s == pytest.approx(cal["estimated_capacity_rps"] / 11)
     # every rate the cells ran at and the verdicts read, the shape's override too
     burst = exp.cases["burst"]["arrival"]
+    # (periods and durations divided by the scale on a slower server, kept on a faster one: experiment.clock_for)
+    assert cal["time_scale"] == min(s, 1.0)
     assert (burst["base_rate"], burst["peak_rate"], burst["period_s"]) == (pytest.approx(2 * s), pytest.approx(22 * s),
-                                                                          pytest.approx(10 / s))
+                                                                          pytest.approx(10 / min(s, 1.0)))
     assert exp.cases["steady"]["arrival"]["rate"] == pytest.approx(5.5 * s)
     assert exp.cases["steady"]["num_requests"] == 6  # the same requests, at the server's pace
     assert exp.shapes[0]["cases"]["steady"]["arrival"]["rate"] == pytest.approx(4 * s)
@@ -73,11 +75,12 @@ def test_the_probe_estimates_the_simulated_servers_capacity_and_scales_every_rat
 
 def test_a_given_rate_scale_skips_the_probe(tmp_path):
     exp, data = _run(tmp_path, "A100-80G", rate_scale=0.5)
-    assert data["calibration"] == {"rate_scale": 0.5, "given": True}
+    assert data["calibration"] == {"rate_scale": 0.5, "time_scale": 0.5, "given": True}
     assert exp.cases["steady"]["arrival"]["rate"] == pytest.approx(2.75)
     # as written: nothing scaled, nothing probed
     exp, data = _run(tmp_path, "A100-80G", rate_scale=1.0)
-    assert data["calibration"] == {"rate_scale": 1.0, "given": True} and exp.cases["steady"]["arrival"]["rate"] == 5.5
+    assert data["calibration"] == {"rate_scale": 1.0, "time_scale": 1.0, "given": True}
+    assert exp.cases["steady"]["arrival"]["rate"] == 5.5
 
 
 AVX2 = Probe(prefill_s=2.238, decode_1_s=0.0609, concurrency=8, decode_n_s=0.1407, output_tokens=128, base_s=0.0662)
@@ -154,14 +157,35 @@ def test_the_admission_vllm_experiment_is_calibrated():
     exp = load_experiment("admission-vllm")
     assert exp.calibrate["sized_for_rps"] > 0 and 0 < exp.calibrate["speed_margin"] < 0.5
     cells = {c.name: c for _, _, c in plan(exp, Options())}
-    exp.scale_rates(2.0)
+    exp.scale_rates(0.5)
     scaled = {c.name: c for _, _, c in plan(exp, Options())}
-    # the same traffic at twice the pace: rates doubled, durations and periods halved, timeouts kept
+    # a server half as fast: the same requests at half the pace (rates halved, durations and periods
+    # doubled), timeouts kept
     b, b2 = cells["burst"], scaled["burst"]
-    assert (b2.arrival["peak_rate"], b2.arrival["base_rate"]) == (2 * b.arrival["peak_rate"], 2 * b.arrival["base_rate"])
-    assert (b2.arrival["period_s"], b2.duration_s, b2.timeout_s) == (b.arrival["period_s"] / 2, b.duration_s / 2, b.timeout_s)
+    assert (b2.arrival["peak_rate"], b2.arrival["base_rate"]) == (b.arrival["peak_rate"] / 2, b.arrival["base_rate"] / 2)
+    assert (b2.arrival["period_s"], b2.duration_s, b2.timeout_s) == (b.arrival["period_s"] * 2, b.duration_s * 2, b.timeout_s)
     # traffic_of: the scaled case's arrivals and duration
     assert (scaled["priority-unloaded"].arrival, scaled["priority-unloaded"].duration_s) == \
         (scaled["priority-2x"].arrival, scaled["priority-2x"].duration_s)
     # the verdicts read the scaled cases: a burst's peaks and the capacity cells' goodput per second
-    assert exp.cases["capacity-0.6"]["duration_s"] == 30 and exp.cases["capacity-0.6"]["arrival"]["rate"] == 1.2
+    assert exp.cases["capacity-0.6"]["duration_s"] == 120 and exp.cases["capacity-0.6"]["arrival"]["rate"] == 0.3
+
+
+def test_a_faster_server_gets_the_same_overload_over_the_same_seconds():
+    """Twice as fast a server: rates doubled over the cells' written lengths (twice the requests), not the
+    same requests squeezed into half the time: the SLO is in seconds, and a burst squeezed so left the same
+    backlog to a server that drains it twice as fast (experiment.clock_for)."""
+    exp = load_experiment("admission-vllm")
+    cells = {c.name: c for _, _, c in plan(exp, Options())}
+    exp.scale_rates(2.0)
+    scaled = {c.name: c for _, _, c in plan(exp, Options())}
+    b, b2 = cells["burst"], scaled["burst"]
+    assert (b2.arrival["peak_rate"], b2.arrival["base_rate"]) == (2 * b.arrival["peak_rate"], 2 * b.arrival["base_rate"])
+    assert (b2.arrival["period_s"], b2.duration_s, b2.timeout_s) == (b.arrival["period_s"], b.duration_s, b.timeout_s)
+    assert scaled["fairness-4"].duration_s == cells["fairness-4"].duration_s
+    # a run recorded before this rule replays as it ran: squeezed as much as its rates were scaled
+    exp = load_experiment("admission-vllm")
+    exp.scale_rates(2.0, 2.0)
+    assert exp.cases["burst"]["duration_s"] == b.duration_s / 2 and exp.cases["burst"]["arrival"]["period_s"] == 15
+
+

@@ -65,7 +65,9 @@ A100 = Host()
 def probed_experiment(results: dict[str, Any]) -> tuple[Experiment, dict[str, Any]]:
     """The ``admission-vllm`` experiment at a recorded run's rate scale, and its (one) shape."""
     exp = load_experiment("admission-vllm")
-    exp.scale_rates(results["calibration"]["rate_scale"])
+    cal = results["calibration"]
+    # (a run recorded before 2026-12-04 squeezed its cells in time as much as it scaled their rates)
+    exp.scale_rates(cal["rate_scale"], cal.get("time_scale", cal["rate_scale"]))
     return exp, exp.shapes[0]
 
 

@@ -189,11 +189,13 @@ def from_spec(spec: Mapping[str, Any]) -> ArrivalProcess:
     return proc
 
 
-def paced(spec: Mapping[str, Any] | None, factor: float) -> dict[str, Any] | None:
-    """The same arrivals at ``factor`` times the pace: rates times ``factor``, on/off periods divided by it."""
+def paced(spec: Mapping[str, Any] | None, factor: float, clock: float | None = None) -> dict[str, Any] | None:
+    """The same arrivals at ``factor`` times the rate: rates times ``factor``, on/off periods divided by
+    ``clock`` (by default ``factor``: the same arrivals, squeezed or stretched in time)."""
     if spec is None:
         return None
-    return {k: v * factor if k in ("rate", "base_rate", "peak_rate") else v / factor if k == "period_s" else v
+    clock = factor if clock is None else clock
+    return {k: v * factor if k in ("rate", "base_rate", "peak_rate") else v / clock if k == "period_s" else v
             for k, v in spec.items()}
 
 

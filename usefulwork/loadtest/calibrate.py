@@ -5,8 +5,8 @@ bracket what that server holds within the SLO, its burst and "2x" cells are mult
 by several times (an AMX host holds ~0.85 req/s at 512/128, an AVX2 host well under 0.1), so fixed
 rates made no overload on one host and a collapse from the first cell on another. An experiment with a
 ``calibrate:`` block (``sized_for_rps``: the capacity its rates were sized for) sends each cell's traffic
-at ``F = estimated capacity / sized_for_rps`` times the pace (rates x F, durations and periods / F:
-``Experiment.scale_rates``):
+at ``F = estimated capacity / sized_for_rps`` times the rate (rates x F; durations and periods / F on a
+slower server, as written on a faster one: ``Experiment.scale_rates``, ``experiment.clock_for``):
 
 1. **Probe** (straight to the first profile's backend, before any cell): a one-word prompt (the API's
    own time and one step), one prompt of the first shape alone (its first token ``P``; its token gaps,

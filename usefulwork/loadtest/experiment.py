@@ -109,6 +109,22 @@ class Profile:
     model: str | None = None  # the model name clients send (default: the backend's served name)
 
 
+def clock_for(rate_scale: float) -> float:
+    """How many times faster a calibrated run's cells pass in time than written at ``rate_scale`` (their
+    durations and on/off periods divided by it): as many times as their rates on a slower server (each cell
+    sends the requests written, over longer; rates alone left a slow server's 60 s "capacity" cell at a
+    quarter of the rate 16 of its 37, and its verdicts rested on a handful), once on a faster one.
+
+    The SLO is in seconds. Squeezed in time, a faster server's burst left the same backlog to a server that
+    drains it F times as fast, so it met a 30 s SLO that the same burst breaks on the server the rates were
+    sized for: on an AMX host (F 2.32) admission off served all 63 of the burst within the SLO, and every
+    capacity and "2x" cell too (docs/bench/admission-vllm-results-s51.json), so "goodput above admission off"
+    could not be met. Kept at its written length, the burst is the overload it is on that server (the
+    same run's replica on the virtual clock: admission off 3-21% of the served within the SLO, 100% before;
+    docs/benchmarks.md section 7, session 52)."""
+    return min(rate_scale, 1.0)
+
+
 @dataclass
 class Experiment:
     name: str
@@ -124,20 +140,19 @@ class Experiment:
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
     calibrate: dict[str, Any] | None = None  # rates sized for a server's capacity: scaled to this one's (calibrate.py)
 
-    def scale_rates(self, factor: float) -> None:
-        """The same traffic at ``factor`` times the pace, for a server ``factor`` times as fast: every case's
-        arrival rates times ``factor``, its durations and on/off periods divided by it (shapes' overrides
-        too), so each cell sends the same requests, its arrivals stretched or squeezed in time. (Rates alone
-        left a slow server's cells a fraction of their requests: the 60 s "capacity" cell at a quarter of
-        the rate sent 16 of its 37, and its verdicts rested on a handful.)
+    def scale_rates(self, factor: float, clock: float | None = None) -> None:
+        """The same overload for a server ``factor`` times as fast: every case's arrival rates times
+        ``factor``, its durations and on/off periods divided by ``clock`` (by default ``clock_for(factor)``:
+        stretched on a slower server, kept on a faster one; shapes' overrides too).
         Timeouts and drains stay: they are the SLO's. The cells, their verdicts and the report all read the
         scaled cases."""
+        clock = clock_for(factor) if clock is None else clock
         specs = [*self.cases.values(), *((s.get("cases") or {}).get(c) or {} for s in self.shapes for c in self.cases)]
         for spec in specs:
             if isinstance(spec.get("arrival"), dict):
-                spec["arrival"] = arrivals.paced(spec["arrival"], factor)
+                spec["arrival"] = arrivals.paced(spec["arrival"], factor, clock)
             if spec.get("duration_s") is not None:
-                spec["duration_s"] = spec["duration_s"] / factor
+                spec["duration_s"] = spec["duration_s"] / clock
 
     def case_for(self, shape: dict[str, Any], case_name: str) -> Case:
         spec = _deep_merge(self.cases[case_name], (shape.get("cases") or {}).get(case_name) or {})
@@ -709,6 +724,7 @@ def calibration(exp: Experiment, profile: Profile, url: str, console: Console) -
                         time_scale(exp, profile), seed=cell_seed(exp.seed, shape["name"], "calibrate"),
                         prompt_tokens=round(wl.prompt_tokens.expected))
     rec = calibrate.scale_for(p, float(cal["sized_for_rps"]), exp.slo, float(cal.get("speed_margin", 0.0)))
+    rec["time_scale"] = clock_for(rec["rate_scale"])
     rec["wall_s"] = time.monotonic() - t0
     at = rec["at_capacity"]
     console.print(f"[bold]{profile.name}[/]: calibrated in {rec['wall_s']:.0f}s: prefill {p.prefill_s:.3f}s "
@@ -718,7 +734,7 @@ def calibration(exp: Experiment, profile: Profile, url: str, console: Console) -
                   f"{rec['speed_margin']:.0%} slower than probed (simulated there: "
                   f"{at['attainment']:.1%} within the SLO, p95 TTFT {at['p95_ttft_s']:.2f}s, TPOT "
                   f"{at['p95_tpot_s'] * 1e3:.0f} ms) against rates sized for {rec['sized_for_rps']:g}: "
-                  f"rates x{rec['rate_scale']:.3g}", highlight=False)
+                  f"rates x{rec['rate_scale']:.3g}, durations / {rec['time_scale']:.3g}", highlight=False)
     return rec
 
 
@@ -737,7 +753,7 @@ def run_experiment(exp: Experiment, opts: Options, console: Console) -> dict[str
         if opts.rate_scale != 1.0:
             exp.scale_rates(opts.rate_scale)
             cells_plan = plan(exp, opts)
-        data["calibration"] = {"rate_scale": opts.rate_scale, "given": True}
+        data["calibration"] = {"rate_scale": opts.rate_scale, "time_scale": clock_for(opts.rate_scale), "given": True}
         data["meta"]["rates"] = f"x{opts.rate_scale:g} (--rate-scale)"
     profiles_in_order = []
     for p, _, _ in cells_plan:
@@ -786,9 +802,10 @@ def run_experiment(exp: Experiment, opts: Options, console: Console) -> dict[str
                 if calibrating:
                     calibrating = False
                     data["calibration"] = calibration(exp, profile, backend.base_url, console)
-                    exp.scale_rates(data["calibration"]["rate_scale"])
+                    cal = data["calibration"]
+                    exp.scale_rates(cal["rate_scale"], cal["time_scale"])
                     cells_plan = plan(exp, opts)
-                    data["meta"]["rates"] = f"x{data['calibration']['rate_scale']:.3g} (calibrated)"
+                    data["meta"]["rates"] = f"x{cal['rate_scale']:.3g} (calibrated)"
                 for p, shape, case in cells_plan:
                     if p is not profile:
                         continue
