@@ -427,8 +427,12 @@ def test_rpm_then_budget_enforced_with_429_and_clear_message(store, request):
     assert acme == {"rpm": 3, "tpm": None, "budget_usd_per_day": None, "requests_remaining": 0}
     assert [r.status for r in out] == [200, 200, 200, 429]
     err = orjson.loads(out[3].body)["error"]
-    assert err["code"] == "rpm" and "requests-per-minute" in err["message"] and "'acme'" in err["message"]
-    assert 15 <= float(out[3].header(b"retry-after-ms")) / 1000 <= 21  # one request's refill: 60 s / 3
+    # OpenAI's own answer to a request-rate limit (code and type), the wait in the message as OpenAI words it
+    assert (err["code"], err["type"]) == ("rate_limit_exceeded", "requests")
+    assert "requests-per-minute" in err["message"] and "'acme'" in err["message"]
+    wait = float(out[3].header(b"retry-after-ms")) / 1000
+    assert 15 <= wait <= 21  # one request's refill: 60 s / 3
+    assert f"Please try again in {wait:.3g}s." in err["message"]
     assert [r.status for r in spend] == [200, 200, 429]
     assert orjson.loads(spend[2].body)["error"]["code"] == "insufficient_quota"
     assert out[3].header(b"x-usefulwork-shed-reason") == b"rpm"
@@ -440,15 +444,21 @@ def test_tpm_counts_actual_tokens_and_refuses_oversized_request():
 
     async def go():
         big = await f(make_call(f, tenant="t", max_tokens=5000), Backend())
-        statuses = []
+        statuses, refused = [], []
         for _ in range(12):
             r = await f(make_call(f, tenant="t", max_tokens=16), Backend(prompt_tokens=100, completion_tokens=16))
             await r.aclose()
             statuses.append(r.status)
-        return big, statuses
+            if r.status == 429:
+                refused.append(orjson.loads(r.body)["error"])
+        return big, statuses, refused
 
-    big, statuses = asyncio.run(go())
-    assert big.status == 429 and orjson.loads(big.body)["error"]["code"] == "tpm_too_large"
+    big, statuses, refused = asyncio.run(go())
+    assert all((e["code"], e["type"]) == ("rate_limit_exceeded", "tokens") and "Please try again in" in e["message"]
+               for e in refused)
+    err = orjson.loads(big.body)["error"]
+    assert big.status == 429 and (err["code"], err["type"]) == ("rate_limit_exceeded", "tokens")  # (OpenAI's "Request too large")
+    assert big.header(b"x-usefulwork-shed-reason") == b"tpm_too_large"
     assert big.header(b"x-should-retry") == b"false"  # (it never fits: the SDKs do not retry it)
     # 116 actual tokens each: 8 fit in 1000. The 9th is checked against its estimate (~80 tokens of
     # prompt + max_tokens) and the 72 left, corrected to actual at close: never more than one over.

@@ -60,10 +60,13 @@ REASON_HEADER = b"x-usefulwork-shed-reason"
 # them, where they would retry any other 429 at once (older versions ignore a Retry-After over a minute).
 # A shed told more than ``SDK_RETRY_AFTER_MAX_S`` says so too.
 NO_RETRY_NOW = frozenset(("budget", "tpm_too_large"))
-# A spent budget is answered as OpenAI answers an exhausted quota (type and code ``insufficient_quota``):
-# clients written for OpenAI tell it from a rate limit by that code and stop instead of backing off. The
-# reason header still says ``budget``; every other refusal's code is its reason.
-OPENAI_CODES = {"budget": "insufficient_quota"}
+# Refusals OpenAI's API also makes are answered with its code and type, (code, type) by reason: a spent
+# budget as an exhausted quota (clients written for OpenAI tell it from a rate limit by that code and stop
+# instead of backing off), a tenant's rpm or tpm as OpenAI's own limits (``rate_limit_exceeded``, of type
+# ``requests`` or ``tokens``; a request larger than the whole tpm too, as OpenAI's "Request too large").
+# The reason header still says ``budget``, ``rpm``, ...; every other refusal's code is its reason.
+OPENAI_CODES = {"budget": ("insufficient_quota", "insufficient_quota"), "rpm": ("rate_limit_exceeded", "requests"),
+                "tpm": ("rate_limit_exceeded", "tokens"), "tpm_too_large": ("rate_limit_exceeded", "tokens")}
 NO_RETRY = (b"x-should-retry", b"false")
 # The OpenAI SDKs (Python, Node) number each attempt: 0 first, then the retries (a 429's included).
 RETRY_COUNT_HEADER = b"x-stainless-retry-count"
@@ -267,8 +270,10 @@ class AdmissionFilter:
             ratelimit_headers(tenant_cfg, self.limits.headroom(ctx.tenant, tenant_cfg))
         if not verdict.ok:
             self.decisions["limited"] += 1
-            return _with(self._refuse(call, 429, _MESSAGES[verdict.reason].format(tenant=ctx.tenant, pool=""),
-                                      verdict.reason, None, verdict.retry_after_s), rl)
+            msg = _MESSAGES[verdict.reason].format(tenant=ctx.tenant, pool="")
+            if verdict.reason in ("rpm", "tpm"):  # (as OpenAI words it: some clients read the wait from the message)
+                msg += f". Please try again in {verdict.retry_after_s:.3g}s."
+            return _with(self._refuse(call, 429, msg, verdict.reason, None, verdict.retry_after_s), rl)
         queue = self.queue_for(call)
         now = self.clock()
         cls = PRIORITIES.index(p)
@@ -368,8 +373,8 @@ class AdmissionFilter:
         if reason in NO_RETRY_NOW or retry_after_s > SDK_RETRY_AFTER_MAX_S:
             # (told longer than an SDK waits: 3.x gives up anyway, older ones would retry at once into a full pool)
             headers.append(NO_RETRY)
-        code = OPENAI_CODES.get(reason)
-        return _error(status, message, code or reason, headers, type_=code)
+        code, type_ = OPENAI_CODES.get(reason, (reason, None))
+        return _error(status, message, code, headers, type_=type_)
 
     def _shed(self, call: Call, queue: PoolQueue, t: Ticket, reason: str, retry_after_s: float) -> Reply:
         self.decisions["shed"] += 1
