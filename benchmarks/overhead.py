@@ -20,6 +20,8 @@ measures what four filters cost). Without ``--variant``: one variant, this check
 ``{mock}`` in it becomes the mock's URL), for filters that need settings (a router's virtual model,
 a cache without its semantic stage). ``--unique`` makes every request's prompt different (a counter
 in the message, same length), so a cache measures its miss path rather than serving hits.
+``--prompt-kb K`` sends prompts of K KB of English-like text (a RAG prompt) instead of two words: what
+the gateway parses, validates, counts and hashes per request grows with the body.
 
 Besides latency, it reports the gateway's CPU time per request (utime + stime of the gateway process
 over the run, from /proc, divided by every request it served then, the warm-up's included): robust to
@@ -45,10 +47,22 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 NONCE = b"000000000000"  # --unique: replaced in each request by a counter of the same width
-UNARY_BODY = json.dumps({"model": "mock", "messages": [{"role": "user", "content": "hello " + NONCE.decode()}],
-                         "max_tokens": 16}, separators=(",", ":")).encode()
-STREAM_BODY = json.dumps({"model": "mock", "messages": [{"role": "user", "content": "hello " + NONCE.decode()}],
-                          "max_tokens": 16, "stream": True}, separators=(",", ":")).encode()
+FILLER = "the quick brown fox jumps over the lazy dog while the model reads a long retrieved passage. "
+
+
+def request_body(stream: bool, prompt_kb: float = 0.0) -> bytes:
+    """A chat completion's body: a short prompt, or one of ``prompt_kb`` KB of English-like text (a RAG
+    prompt: what the gateway parses, validates, counts and hashes grows with it)."""
+    text = "hello " + NONCE.decode()
+    if prompt_kb > 0:
+        n = int(prompt_kb * 1024)
+        text += " " + (FILLER * (n // len(FILLER) + 1))[:n]
+    body = {"model": "mock", "messages": [{"role": "user", "content": text}], "max_tokens": 16}
+    if stream:
+        body["stream"] = True
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
 _sent = 0
 
 
@@ -118,8 +132,9 @@ class Conn(asyncio.Protocol):
         self._send()
 
 
-async def load(port: int, stream: bool, concurrency: int, duration: float, unique: bool = False) -> dict:
-    body = STREAM_BODY if stream else UNARY_BODY
+async def load(port: int, stream: bool, concurrency: int, duration: float, unique: bool = False,
+               prompt_kb: float = 0.0) -> dict:
+    body = request_body(stream, prompt_kb)
     req = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
     loop = asyncio.get_running_loop()
@@ -146,12 +161,12 @@ async def load(port: int, stream: bool, concurrency: int, duration: float, uniqu
 
 
 def run_load_process(port: int, stream: bool, concurrency: int, duration: float, core: str,
-                     unique: bool = False) -> dict:
+                     unique: bool = False, prompt_kb: float = 0.0) -> dict:
     """Run the load generator in its own process pinned to `core` (keeps the benchmark process idle)."""
     code = (f"import asyncio,json,sys; sys.path.insert(0,{str(ROOT)!r});"
             "import uvloop; uvloop.install();"
             "from benchmarks.overhead import load;"
-            f"print(json.dumps(asyncio.run(load({port},{stream},{concurrency},{duration},{unique}))))")
+            f"print(json.dumps(asyncio.run(load({port},{stream},{concurrency},{duration},{unique},{prompt_kb}))))")
     out = subprocess.run(["taskset", "-c", core, sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -232,6 +247,8 @@ def main() -> int:
     ap.add_argument("--overlay", action="append", default=[],
                     help="NAME=JSON: a config fragment merged into that variant's config ({mock}: the mock's URL)")
     ap.add_argument("--unique", action="store_true", help="a different prompt in every request (cache misses)")
+    ap.add_argument("--prompt-kb", type=float, default=0.0,
+                    help="prompts of this many KB of English-like text (default: a two-word prompt)")
     ap.add_argument("--gateway-child", nargs=2, metavar=("CONFIG", "PORT"), help=argparse.SUPPRESS)
     ap.add_argument("--markdown", type=Path, help="write the results table to this file")
     ap.add_argument("--json", type=Path, help="write raw results here")
@@ -280,12 +297,12 @@ def main() -> int:
         rows = []
         for stream in (False, True):
             for c in conc:
-                direct = run_load_process(mock_port, stream, c, args.duration, args.client_core, args.unique)
+                direct = run_load_process(mock_port, stream, c, args.duration, args.client_core, args.unique, args.prompt_kb)
                 for name, (gw, port) in gateways.items():
                     # the CPU window holds the warm-up's requests and the measured ones, and neither stats read
                     counts0 = filter_counts(port)
                     cpu0 = cpu_seconds(gw.pid)
-                    via = run_load_process(port, stream, c, args.duration, args.client_core, args.unique)
+                    via = run_load_process(port, stream, c, args.duration, args.client_core, args.unique, args.prompt_kb)
                     cpu1 = cpu_seconds(gw.pid)
                     counts1 = filter_counts(port)
                     # what the filters counted during this point (gauges such as loop_lag_ms: the value after it)
