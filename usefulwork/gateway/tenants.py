@@ -69,6 +69,10 @@ class TenantCfg(_Strict):
                                           "x-usefulwork-priority (a higher one gets 403 priority_not_allowed, "
                                           "nothing forwarded); at or above its default priority. None: any.")
     weight: float = Field(1.0, gt=0, description="Fair-share weight: served tokens are divided by it.")
+    max_inflight_per_process: int | None = Field(
+        None, ge=1, description="Requests of this tenant one gateway process holds at once (queued or being "
+        "answered, streams until their last event); more get 429 concurrency with a Retry-After. Counted per "
+        "process, not shared: behind N gateway processes the tenant may hold N times as many. None: no cap.")
     degrade: Degrade | None = Field(None, description="Allowed degradations instead of a shed (None: never degrade).")
     models: list[str] | None = Field(None, description="The models (served or virtual, e.g. 'auto') this tenant may "
                                      "call and sees in /v1/models; any other gets the unknown model's 404. None: all.")

@@ -356,3 +356,33 @@ def test_a_unary_only_pool_reads_its_prefill_time_from_the_replicas_metrics(sim,
         assert 0 < cap["live_prefill_s"] < 1.0  # the simulated A100's prefill of a 200-token prompt: tens of ms
     finally:
         gw.stop()
+
+
+def test_a_tenants_per_process_cap_refuses_a_third_stream_until_one_ends(sim, tmp_path):
+    """``max_inflight_per_process: 2`` through the real gateway on the simulator with the openai SDK: while
+    two of the tenant's streams are open, a third gets ``RateLimitError`` (code and reason ``concurrency``,
+    a Retry-After); once one stream has ended the next is served; another tenant is never held back."""
+    gw = gateway(sim, tmp_path, tenants={"capped": {"key_hashes": [hash_key("kc")], "max_inflight_per_process": 2},
+                                         "other": {"key_hashes": [hash_key("ko")]}})
+    try:
+        capped = openai.OpenAI(base_url=gw.base_url + "/v1", api_key="kc", max_retries=0)
+        other = openai.OpenAI(base_url=gw.base_url + "/v1", api_key="ko", max_retries=0)
+        streams = [capped.completions.create(model=MODEL, prompt=f"{i} " + "x " * 50, max_tokens=200, stream=True,
+                                             extra_body={"ignore_eos": True}) for i in range(2)]
+        firsts = [next(iter(s)) for s in streams]  # both are being answered
+        assert all(f.choices for f in firsts)
+        with pytest.raises(openai.RateLimitError) as exc:
+            capped.completions.create(model=MODEL, prompt="third " * 20, max_tokens=4)
+        assert exc.value.body["code"] == "concurrency"
+        h = exc.value.response.headers
+        assert h["x-usefulwork-shed-reason"] == "concurrency" and float(h["retry-after-ms"]) > 0
+        assert other.completions.create(model=MODEL, prompt="o " * 20, max_tokens=4).usage.completion_tokens == 4
+        assert sum(1 for _ in streams[0]) >= 100  # read to its end: its place is freed when its reply closes
+        # (the gateway closes the reply just after its last write: a client as quick as this one may arrive
+        # first, and then waits the Retry-After it is told, as the SDK does)
+        waits = openai.OpenAI(base_url=gw.base_url + "/v1", api_key="kc", max_retries=2)
+        assert waits.completions.create(model=MODEL, prompt="fourth " * 20, max_tokens=4,
+                                        extra_body={"ignore_eos": True}).usage.completion_tokens == 4
+        streams[1].close()
+    finally:
+        gw.stop()

@@ -438,6 +438,49 @@ def test_rpm_then_budget_enforced_with_429_and_clear_message(store, request):
     assert out[3].header(b"x-usefulwork-shed-reason") == b"rpm"
 
 
+def test_a_tenant_holds_at_most_its_requests_per_process_and_each_end_frees_one():
+    """``max_inflight_per_process``: a third request while two of the tenant's are held (queued or being
+    answered) gets 429 ``concurrency`` with a Retry-After, before its rpm is counted; another tenant is
+    not held back; a request that ends (its reply closed) or fails frees its place."""
+    tenants = {"capped": {"key_hashes": [hash_key("kc")], "max_inflight_per_process": 2, "rpm": 100},
+               "other": {"key_hashes": [hash_key("ko")]}}
+    f = make_filter(make_cfg(tenants=tenants))
+
+    async def boom(call):
+        raise RuntimeError("upstream exploded")
+
+    async def go():
+        be = Backend(hold=True)
+        held = [asyncio.create_task(f(make_call(f, tenant="capped"), be)) for _ in range(2)]
+        await asyncio.sleep(0.01)
+        third = await f(make_call(f, tenant="capped"), Backend())
+        other = await f(make_call(f, tenant="other"), Backend())
+        be.gates[0].set()
+        first = await held[0]
+        still = await f(make_call(f, tenant="capped"), Backend())  # the first is answered but not closed yet
+        await first.aclose()
+        after = await f(make_call(f, tenant="capped"), Backend())
+        await after.aclose()
+        with pytest.raises(RuntimeError):
+            await f(make_call(f, tenant="capped"), boom)
+        again = await f(make_call(f, tenant="capped"), Backend())
+        await again.aclose()
+        be.gates[1].set()
+        await (await held[1]).aclose()
+        return third, other, still, after, again
+
+    third, other, still, after, again = asyncio.run(go())
+    assert third.status == 429 and third.header(b"x-usefulwork-shed-reason") == b"concurrency"
+    err = orjson.loads(third.body)["error"]
+    assert err["code"] == "concurrency" and "'capped'" in err["message"] and "2 requests" in err["message"]
+    assert float(third.header(b"retry-after-ms")) > 0
+    assert other.status == 200 and still.status == 429
+    assert after.status == 200 and again.status == 200  # (closed and failed requests freed their places)
+    assert f._holding == {}
+    # the refused ones took nothing from the rpm bucket: 2 held + after + boom + again = 5 counted
+    assert f.limits.headroom("capped", f.tenants.settings("capped"))[0] == pytest.approx(95, abs=1)
+
+
 def test_tpm_counts_actual_tokens_and_refuses_oversized_request():
     tenants = {"t": {"key_hashes": [hash_key("k")], "tpm": 1000}}
     f = make_filter(make_cfg(tenants=tenants))

@@ -1,8 +1,8 @@
 """The ``admission`` filter: tenant limits, then the pool's queue, then ``next`` once a slot is ours.
 
 Per request: read the priority (``x-usefulwork-priority``, else the tenant's default; 400 for an
-unknown one, 403 for one above the tenant's ``max_priority``), check the tenant's rpm / tpm / budget
-(429), then offer it to its pool's queue (usefulwork/gateway/admission/queue.py), with the timeout its
+unknown one, 403 for one above the tenant's ``max_priority``), check the tenant's requests held by this
+process (``max_inflight_per_process``: 429 ``concurrency``) and its rpm / tpm / budget (429), then offer it to its pool's queue (usefulwork/gateway/admission/queue.py), with the timeout its
 client declares where it does (``CLIENT_TIMEOUT_HEADERS``: answered within it or shed). Admitted: call
 ``next`` (with the class, and whether the tenant is over its fair share, as vLLM's ``priority`` when
 the pool's replicas run ``--scheduling-policy priority``). Queued: wait until a slot frees or the deadline passes. Shed: answer 429 with an OpenAI-style body, ``retry-after`` / ``retry-after-ms``
@@ -44,7 +44,7 @@ from starlette.routing import Route
 
 from usefulwork.gateway.errors import JSON_HEADERS, error_body
 from usefulwork.gateway.pipeline import Call, Handler, Reply
-from usefulwork.gateway.tenants import PRIORITIES
+from usefulwork.gateway.tenants import PRIORITIES, TenantCfg
 from usefulwork.gateway.validation import max_tokens_of, with_max_tokens
 from usefulwork.tasks import cancel_and_wait
 
@@ -87,6 +87,8 @@ _MESSAGES = {
     "tpm": "tenant {tenant!r} is over its tokens-per-minute limit",
     "tpm_too_large": "this request needs more tokens than tenant {tenant!r}'s tokens-per-minute limit allows",
     "budget": "tenant {tenant!r} has spent its budget for today (UTC)",
+    "concurrency": "tenant {tenant!r} already has {n} requests in flight at this gateway process, its limit; retry "
+                   "after the given time",
 }
 
 
@@ -180,6 +182,7 @@ class AdmissionFilter:
         self._sync_task: asyncio.Task | None = None
         self.queues: dict[str, PoolQueue] = {}
         self.decisions: dict[str, int] = {"admit": 0, "queued": 0, "shed": 0, "degraded": 0, "limited": 0}
+        self._holding: dict[str, int] = {}  # tenant -> its requests this process holds (``max_inflight_per_process``)
         self._tasks: set[asyncio.Task] = set()
         self._instruments(services.meter)
         self.routes = [Route("/usefulwork/admission/tenants", self._tenants_status, methods=["GET"]),
@@ -258,6 +261,37 @@ class AdmissionFilter:
         else:
             p = tenant_cfg.priority
         ctx.priority = p
+        cap = tenant_cfg.max_inflight_per_process
+        if cap is None:
+            return await self._admission(call, next, tenant_cfg, p)
+        # (before the rpm / tpm check: a refused request takes nothing from the tenant's buckets)
+        tenant = ctx.tenant
+        held = self._holding.get(tenant, 0)
+        if held >= cap:
+            self.decisions["limited"] += 1
+            # One of its requests frees every slot hold / cap on average (they end one after another).
+            wait = max(0.05, self.queue_for(call).capacity.slot_hold() / cap)
+            return self._refuse(call, 429, _MESSAGES["concurrency"].format(tenant=tenant, n=held), "concurrency",
+                                None, wait)
+        self._holding[tenant] = held + 1
+        try:
+            reply = await self._admission(call, next, tenant_cfg, p)
+        except BaseException:
+            self._let_go(tenant)
+            raise
+        reply.on_close(lambda: self._let_go(tenant))
+        return reply
+
+    def _let_go(self, tenant: str) -> None:
+        n = self._holding.get(tenant, 0) - 1
+        if n > 0:
+            self._holding[tenant] = n
+        else:
+            self._holding.pop(tenant, None)
+
+    async def _admission(self, call: Call, next: Handler, tenant_cfg: TenantCfg, p: str) -> Reply:
+        """The limits, then the queue's decision, then the request: admitted, queued or shed."""
+        ctx = call.ctx
         prompt, max_tokens = expected_tokens(call)
         tokens = prompt + (max_tokens or 256)
         try:
