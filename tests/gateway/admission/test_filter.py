@@ -455,6 +455,8 @@ def test_a_tenant_holds_at_most_its_requests_per_process_and_each_end_frees_one(
         await asyncio.sleep(0.01)
         third = await f(make_call(f, tenant="capped"), Backend())
         other = await f(make_call(f, tenant="other"), Backend())
+        seen = await f.tenant_limits("capped")  # (what its own key sees in /usefulwork/stats)
+        assert (seen["max_inflight_per_process"], seen["in_flight_here"]) == (2, 2)
         be.gates[0].set()
         first = await held[0]
         still = await f(make_call(f, tenant="capped"), Backend())  # the first is answered but not closed yet

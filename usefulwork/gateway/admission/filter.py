@@ -548,6 +548,9 @@ class AdmissionFilter:
                                   self.limits.headroom(name, cfg)):
             if cap is not None:
                 out[key] = None if left is None else whole_left(left, cap)
+        if cfg.max_inflight_per_process is not None:
+            out["max_inflight_per_process"] = cfg.max_inflight_per_process
+            out["in_flight_here"] = self._holding.get(name, 0)  # (this process's: the cap is per process)
         if cfg.budget_usd_per_day is not None:
             try:
                 spent = await self.limits.spent_today(name)
