@@ -96,7 +96,7 @@ def test_which_says_whose_a_key_is_without_printing_it(tmp_path):
     f = tmp_path / "gw.yaml"
     f.write_text(f"pools: [{{name: p, models: [m], replicas: ['http://127.0.0.1:9']}}]\n"
                  f"tenants:\n  acme: {{key_hashes: ['{hash_key('k-acme')}'], rpm: 60, models: [m], priority: batch, "
-                 f"max_priority: batch}}\n"
+                 f"max_priority: batch, max_inflight_per_process: 8}}\n"
                  f"  old: {{key_hashes: ['{hash_key('k-old')}'], enabled: false}}\n"
                  f"auth: {{api_keys: {{k-plain: acme}}}}\n"
                  f"access: {{admin_key_hashes: ['{hash_key('k-admin')}'], metrics_token_hash: '{hash_key('k-prom')}'}}\n")
@@ -106,7 +106,7 @@ def test_which_says_whose_a_key_is_without_printing_it(tmp_path):
                               input=key + "\n", capture_output=True, text=True, timeout=60)
 
     r = which("k-acme")
-    assert r.returncode == 0 and r.stdout.strip() == "tenant 'acme': batch (at most batch), weight 1, rpm 60; models: m"
+    assert r.returncode == 0 and r.stdout.strip() == "tenant 'acme': batch (at most batch), weight 1, rpm 60, in flight per gateway process 8; models: m"
     r = which("k-plain")
     assert r.returncode == 0 and "tenant 'acme' (auth.api_keys, in plain text" in r.stdout
     r = which("k-old")

@@ -232,7 +232,8 @@ def describe_key(tenants: Tenants, key: str) -> tuple[bool, str]:
     legacy = " (auth.api_keys, in plain text: move it to key_hashes)" if hash_key(key) not in tenants._by_hash else ""
     if not t.enabled:
         return False, f"tenant {name!r}{legacy}: disabled, its requests get 403"
-    limits = ", ".join(f"{k} {v}" for k, v in (("rpm", t.rpm), ("tpm", t.tpm), ("budget $/day", t.budget_usd_per_day))
+    limits = ", ".join(f"{k} {v}" for k, v in (("rpm", t.rpm), ("tpm", t.tpm), ("budget $/day", t.budget_usd_per_day),
+                                               ("in flight per gateway process", t.max_inflight_per_process))
                        if v is not None) or "no limits"
     models = ", ".join(t.models) if t.models is not None else "all"
     cls = t.priority if t.max_priority is None else f"{t.priority} (at most {t.max_priority})"
