@@ -69,8 +69,12 @@ def test_the_probe_estimates_the_simulated_servers_capacity_and_scales_every_rat
     assert [c["result"]["num_prompts"] for c in data["cells"]] == [6, 6]
     assert "calibrated" in data["meta"]["rates"]
     # a faster GPU: a higher capacity, so higher rates
-    _, h100 = _run(tmp_path, "H100-SXM")
+    fast, h100 = _run(tmp_path, "H100-SXM")
     assert h100["calibration"]["estimated_capacity_rps"] > 1.3 * cal["estimated_capacity_rps"]
+    # a server faster than the rates were sized for: its cells keep their written lengths (more requests)
+    s = h100["calibration"]["rate_scale"]
+    assert s > 1 and h100["calibration"]["time_scale"] == 1.0
+    assert fast.cases["burst"]["arrival"]["period_s"] == 10 and fast.cases["burst"]["arrival"]["peak_rate"] == pytest.approx(22 * s)
 
 
 def test_a_given_rate_scale_skips_the_probe(tmp_path):
