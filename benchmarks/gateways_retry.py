@@ -14,6 +14,7 @@ this 2-core host cannot relay a full batch in real time); rates, durations and t
 
     python benchmarks/gateways_retry.py --gateways 3
     PYTHONPATH=/path/to/other/checkout python benchmarks/gateways_retry.py --gateways 3   # its gateways' code
+    USEFULWORK_GATEWAY_LOG_LEVEL=debug python benchmarks/gateways_retry.py --gateways 3 --keep DIR  # each shed's figures
 
 The gateway processes run whatever ``usefulwork`` the environment's PYTHONPATH gives them; the client is
 this file's.
@@ -193,11 +194,19 @@ def main() -> int:
     ap.add_argument("--redis", default=None, metavar="URL",
                     help="the gateways share limits, fair-share counters and the retries' returns through this Redis")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--keep", type=Path, default=None, metavar="DIR",
+                    help="keep each run's gateway and simulator logs under DIR/seed-S (with "
+                         "USEFULWORK_GATEWAY_LOG_LEVEL=debug: a line per shed at arrival, with what it read)")
     args = ap.parse_args()
     rows = []
     for seed in [int(s) for s in args.seeds.split(",")]:
-        with tempfile.TemporaryDirectory() as d:
-            r = run(args.gateways, seed, args.time_scale, Path(d), args.sticky, args.redis)
+        if args.keep is not None:
+            d = args.keep / f"seed-{seed}"
+            d.mkdir(parents=True, exist_ok=True)
+            r = run(args.gateways, seed, args.time_scale, d, args.sticky, args.redis)
+        else:
+            with tempfile.TemporaryDirectory() as d:
+                r = run(args.gateways, seed, args.time_scale, Path(d), args.sticky, args.redis)
         rows.append(r)
         share = r["admitted_on_first_retry"] / max(1, r["first_retries"])
         within = "-" if r["within_slo_of_served"] is None else f"{r['within_slo_of_served']:.1%}"
