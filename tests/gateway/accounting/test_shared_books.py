@@ -134,3 +134,41 @@ def test_work_moved_past_a_peers_leave_is_settled_when_its_gateway_leaves_too(re
         drop_redis_keys(redis_url, f"{prefix}:")
     assert share.pending == 0 and share.usd > 0
     assert abs(fleet["attributed_usd"] + fleet["idle_usd"] - fleet["cost_usd"]) < 1e-9, fleet
+
+
+def test_two_gateways_late_work_moved_past_a_peers_leave_shares_that_intervals_bill(redis_url):
+    """A leaves and moves the fleet's frontier past the current interval; B and C each had work there, not
+    yet pushed. C pushes (its work moves to the first open interval), then B leaves and settles that
+    interval, then C. B must pay its share of the fleet's work there (40 of 70), not the whole bill from
+    its own work alone: it did, and C paid its 30 of 70 too, so the fleet paid 0.43 of an interval twice
+    (CI: test_shared.py's three gateways, attributed + idle over the bill by 0.28 of an interval, once in
+    many runs)."""
+    prefix = f"usefulwork:test14e:{uuid.uuid4().hex[:8]}"
+
+    async def main() -> tuple[Share, Share, dict]:
+        cfg = ScaleOut(redis_url=redis_url, prefix=prefix, gateway_ttl_s=5.0)
+        a, b, c = SharedBooks(cfg, DT), SharedBooks(cfg, DT), SharedBooks(cfg, DT)
+        t0 = 1_000_000.0
+        ma, mb, mc = (PoolMeter("p", RATE, t0, DT) for _ in range(3))
+        for x, m in ((a, ma), (b, mb), (c, mc)):
+            await x.join({"p": m})
+        now = t0 + 10 * DT + 0.1
+        sb, sc = Share(key="b", tenant="t"), Share(key="c", tenant="t")
+        mb.book(sb, [(now - 0.3, now, 40.0)])
+        mc.book(sc, [(now - 0.3, now, 30.0)])
+        await a.leave({"p": ma}, now)
+        await c.sync(mc, mc._t(mc.settled_k), now=now)
+        await b.leave({"p": mb}, now)
+        await c.leave({"p": mc}, now)
+        for x in (a, b, c):
+            await x.close()
+        return sb, sc, mc.fleet_books
+
+    try:
+        sb, sc, fleet = asyncio.run(main())
+    finally:
+        drop_redis_keys(redis_url, f"{prefix}:")
+    usd = RATE / 3600 * DT
+    assert sb.usd == pytest.approx(usd * 40 / 70, rel=1e-9) and sc.usd == pytest.approx(usd * 30 / 70, rel=1e-9)
+    assert sb.pending == sc.pending == 0
+    assert abs(fleet["attributed_usd"] + fleet["idle_usd"] - fleet["cost_usd"]) < 1e-9, fleet

@@ -116,6 +116,17 @@ for _, k in ipairs(idle) do
   w[#w + 1] = '0'
   w[#w + 1] = redis.call('HGET', KEYS[1], 'u' .. k) or ''
 end
+-- every interval this call settled that worked: the gateway's pushed work may have moved into one it did
+-- not ask for (k0: late work, or a leaving peer's frontier), and it pays its share there from the fleet's
+-- total, not from its own work alone (which paid the whole bill where another gateway's work shared it)
+for k = k0, k1 - 1 do
+  local wk = redis.call('HGET', KEYS[1], tostring(k))
+  if wk and tonumber(wk) > 0 then
+    w[#w + 1] = tostring(k)
+    w[#w + 1] = wk
+    w[#w + 1] = redis.call('HGET', KEYS[1], 'u' .. k) or ''
+  end
+end
 local books = redis.call('HMGET', KEYS[4], 'cost_usd', 'idle_usd', 'attributed_usd')
 return {k0, k1, idle, w, books}
 """.replace("PRUNE", str(PRUNE_INTERVALS))
