@@ -86,6 +86,7 @@ end
 if force >= 0 and (target == nil or force > target) then target = force end
 local k1 = k0
 local idle = {}
+local worked = {}  -- intervals this call settled that had work
 if target ~= nil and target > k0 then
   local cost, idl = 0, 0
   for k = k0, target - 1 do
@@ -96,6 +97,8 @@ if target ~= nil and target > k0 then
     if w <= 0 then
       idl = idl + usd
       idle[#idle + 1] = k
+    else
+      worked[#worked + 1] = k
     end
     if k - PRUNE >= 0 then redis.call('HDEL', KEYS[1], tostring(k - PRUNE), 'u' .. (k - PRUNE)) end
   end
@@ -119,13 +122,10 @@ end
 -- every interval this call settled that worked: the gateway's pushed work may have moved into one it did
 -- not ask for (k0: late work, or a leaving peer's frontier), and it pays its share there from the fleet's
 -- total, not from its own work alone (which paid the whole bill where another gateway's work shared it)
-for k = k0, k1 - 1 do
-  local wk = redis.call('HGET', KEYS[1], tostring(k))
-  if wk and tonumber(wk) > 0 then
-    w[#w + 1] = tostring(k)
-    w[#w + 1] = wk
-    w[#w + 1] = redis.call('HGET', KEYS[1], 'u' .. k) or ''
-  end
+for _, k in ipairs(worked) do
+  w[#w + 1] = tostring(k)
+  w[#w + 1] = redis.call('HGET', KEYS[1], tostring(k))
+  w[#w + 1] = redis.call('HGET', KEYS[1], 'u' .. k) or ''
 end
 local books = redis.call('HMGET', KEYS[4], 'cost_usd', 'idle_usd', 'attributed_usd')
 return {k0, k1, idle, w, books}
