@@ -1915,13 +1915,15 @@ def test_an_offer_and_a_release_each_look_at_the_replicas_once_and_the_next_deci
 
 def test_a_shed_at_arrival_logs_what_its_decision_read_at_debug(caplog: pytest.LogCaptureFixture):
     """USEFULWORK_GATEWAY_LOG_LEVEL=debug: one line per shed at arrival with the figures behind it (it
-    found that the real CPU vLLM's burst priced the first slot to free in 7.9 s where it freed in 1.0 s)."""
+    found that the real CPU vLLM's burst priced the first slot to free in 7.9 s where it freed in 1.0 s),
+    the attempt's own retry count among them (which of a retrying tenant's sheds were retries)."""
     q = make_queue(limit=1, service_s=5.0)
     assert q.offer(Ticket("a", 0, 640.0, 0.0, 2.0), 0.0).kind == "admit"
     with caplog.at_level("DEBUG", logger="usefulwork.admission"):
-        assert q.offer(Ticket("a", 0, 640.0, 0.1, 0.6), 0.1).kind == "shed"
+        assert q.offer(Ticket("a", 0, 640.0, 0.1, 0.6, retried=2), 0.1).kind == "shed"
     (line,) = [r.getMessage() for r in caplog.records if "shed at arrival" in r.getMessage()]
-    for key in ("'limits': (1, 1)", "'inflight': 1", "'wait_s'", "'budget_s'", "'tpot_terms'", "'first_ends_in_s': [4.9]"):
+    for key in ("'retried': 2", "'limits': (1, 1)", "'inflight': 1", "'wait_s'", "'budget_s'", "'tpot_terms'",
+                "'first_ends_in_s': [4.9]"):
         assert key in line, line
     caplog.clear()
     assert q.offer(Ticket("a", 0, 640.0, 0.2, 0.7), 0.2).kind == "shed"  # (at INFO: nothing)

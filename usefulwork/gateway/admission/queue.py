@@ -619,7 +619,7 @@ class PoolQueue:
         tpot, out = cap.decode_terms()
         hold = cap.slot_hold()
         r3 = lambda x: None if x is None else round(x, 3)  # noqa: E731
-        return {"cls": t.cls, "tenant": t.tenant, "limits": cap.limits(), "inflight": self.inflight,
+        return {"cls": t.cls, "tenant": t.tenant, "retried": t.retried, "sheds": t.sheds, "limits": cap.limits(), "inflight": self.inflight,
                 "inflight_by_class": list(self.inflight_cls), "queued": self.queued, "ahead": ahead,
                 "reserved": reserved, "slot_free": self.slot_free(t.cls, t.tenant),
                 "prefill_gate": self.prefill_gate(t.cls, t.tenant), "wait_s": r3(wait), "budget_s": r3(budget),
