@@ -19,6 +19,7 @@ that met the SLO (10-13 req/s).
     python benchmarks/admission_virtual.py --burst --probe docs/bench/admission-vllm-results-s48b.json --seeds 0 --margin 0
     python benchmarks/admission_virtual.py --retry --seeds 1-6      # the burst-retry cell
     python benchmarks/admission_virtual.py --retry --gateways 3     # ... behind three round-robin gateways
+    python benchmarks/admission_virtual.py --retry --gateways 3 --no-lend  # ... lending each other no places
     python benchmarks/admission_virtual.py --restart --seeds 1-6    # the same clients against a restarted gateway
 
 ``--classes`` runs the experiment's priority cell (24 req/s, one interactive request for three batch ones)
@@ -226,7 +227,8 @@ def classes(seeds: list[int], host: admission_clock.Host = admission_clock.A100)
     return data
 
 
-RETRY_WARM_S = 60.0  # the capacity-13 cell (40 s) and a quiet 20 s before the burst-retry cell
+RETRY_WARM_S = 60.0
+LEND_S = AdmissionCfg().lend_interval_s  # the capacity-13 cell (40 s) and a quiet 20 s before the burst-retry cell
 
 
 @dataclass(frozen=True)
@@ -268,10 +270,21 @@ class GatewaysSim(_OwnQueue, autoscale.Simulation):
     to the next gateway (Envoy's default round robin, per request): a client's retry reaches another
     gateway than the one that shed it, ``n - 1`` times in ``n``."""
 
-    def __init__(self, *args: Any, gateways: int = 1, **kw: Any):
+    def __init__(self, *args: Any, gateways: int = 1, lend: bool = True, **kw: Any):
         super().__init__(*args, **kw)
         self.gateways = [self.queue, *(self.admission_queue() for _ in range(gateways - 1))]
         self._next = 0
+        # The processes' exchange of places through Redis (``lending.PlaceLedger``, every lend_interval_s)
+        self._next_lend = LEND_S if lend and gateways > 1 else math.inf
+
+    def _lend(self) -> None:
+        """Each gateway learns the others' next places and what they hold on loan from it (as the Redis
+        exchange does, with no delay beyond its interval)."""
+        for i, q in enumerate(self.gateways):
+            places = [(at, str(j)) for j, o in enumerate(self.gateways)
+                      if j != i and math.isfinite(at := o.next_place(self.now))]
+            q.settle_places(places, sum(o.loans.count(str(i)) for j, o in enumerate(self.gateways) if j != i))
+        self._pump()
 
     def _each(self, fn: Any) -> None:
         for q in self.gateways:
@@ -284,21 +297,25 @@ class GatewaysSim(_OwnQueue, autoscale.Simulation):
         req.queue = self.queue
 
     def _queue_due(self) -> float:
-        return min(((q.next_deadline() or math.inf) for q in self.gateways if q is not None and q.queued), default=math.inf)
+        due = min(((q.next_deadline() or math.inf) for q in self.gateways if q is not None and q.queued), default=math.inf)
+        return min(due, self._next_lend)
 
     def _expire_queue(self) -> None:
+        if self.now >= self._next_lend:
+            self._next_lend += LEND_S
+            self._lend()
         self._each(lambda: autoscale.Simulation._expire_queue(self))
 
     def _pump(self) -> None:
         self._each(lambda: autoscale.Simulation._pump(self))
 
 
-def retry_cell(seed: int, gateways: int = 1) -> dict[str, Any]:
+def retry_cell(seed: int, gateways: int = 1, lend: bool = True) -> dict[str, Any]:
     """The burst-retry cell on the virtual clock, with the shipped settings (see the module's docstring),
-    behind ``gateways`` gateway processes."""
+    behind ``gateways`` gateway processes (``lend``: which lend each other places, as with Redis)."""
     day = RetryCell(day_s=RETRY_WARM_S + 45.0, base_rate=2.0, peak_rate=25.0, burstiness=1.0, seed=seed)
     sim = GatewaysSim(autoscale.Policy("one", "one replica", fixed=1, admission=True), day,
-                      autoscale.Fleet(), autoscale.Client(max_retries=3), autoscale.SLO, gateways=gateways)
+                      autoscale.Fleet(), autoscale.Client(max_retries=3), autoscale.SLO, gateways=gateways, lend=lend)
     sim.clients = lambda t0: ("default", 0) if t0 < RETRY_WARM_S else ("retrying", None)
     sim.run()
     return _retrying_figures([r for r in sim.requests if r.t0 >= RETRY_WARM_S], autoscale.SLO)
@@ -451,9 +468,9 @@ def _retrying_figures(reqs: list[Any], slo: Any) -> dict[str, Any]:
 
 
 def retries(seeds: list[int], gateways: int = 1, probe: dict[str, Any] | None = None,
-            margin: float | None = None) -> dict[str, Any]:
+            margin: float | None = None, lend: bool = True) -> dict[str, Any]:
     if probe is None:
-        data = {seed: retry_cell(seed, gateways) for seed in seeds}
+        data = {seed: retry_cell(seed, gateways, lend) for seed in seeds}
     else:
         data = {seed: probed_retry_cell(seed, probe, gateways, margin) for seed in seeds}
     print(f"{gateways} gateway process(es), each attempt to the next" + (" (a recorded real CPU vLLM's replica):" if probe else ":"))
@@ -595,6 +612,8 @@ def main() -> int:
                          "the rates were sized for keeps each cell's written length), not as the recorded run did")
     ap.add_argument("--gateways", type=int, default=1,
                     help="with --retry: gateway processes behind a round-robin load balancer (each attempt to the next)")
+    ap.add_argument("--no-lend", action="store_true",
+                    help="with --gateways N: the processes lend each other no places (admission.lend_places: false)")
     args = ap.parse_args()
 
     def load(path: Path) -> dict[str, Any]:
@@ -621,7 +640,7 @@ def main() -> int:
         return 0
     if args.retry:
         probe = load(args.probe[0]) if args.probe else None
-        data = retries(_seeds(args.seeds), args.gateways, probe, args.margin)
+        data = retries(_seeds(args.seeds), args.gateways, probe, args.margin, not args.no_lend)
         if args.json:
             args.json.write_text(json.dumps(data, indent=1))
         return 0

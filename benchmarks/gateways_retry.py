@@ -8,13 +8,14 @@ The cell (as `benchmarks/admission_virtual.py --retry`, in simulated seconds): 4
 2 req/s from a tenant whose clients never retry (the gateways learn the pool), then 9 s at 25 req/s and 36 s
 at 2 req/s from another tenant's clients, which wait out Retry-After (``retry-after-ms``) and retry up to 3
 times, numbering each attempt in ``x-stainless-retry-count`` as the OpenAI SDKs do. Figures: the share of
-first retries admitted (the issue's target: 80%), and the retrying clients' answers within the SLO from
-each attempt's own send. The simulator runs at half speed (``--time-scale``, as the admission experiment:
+first retries admitted (the issue's target: 80%), the retrying clients' answers within the SLO from
+each attempt's own send, and their time from the first send to the answer's end. The simulator runs at half speed (``--time-scale``, as the admission experiment:
 this 2-core host cannot relay a full batch in real time); rates, durations and the SLO are converted.
 
     python benchmarks/gateways_retry.py --gateways 3
     PYTHONPATH=/path/to/other/checkout python benchmarks/gateways_retry.py --gateways 3   # its gateways' code
     USEFULWORK_GATEWAY_LOG_LEVEL=debug python benchmarks/gateways_retry.py --gateways 3 --keep DIR  # each shed's figures
+    python benchmarks/gateways_retry.py --gateways 3 --redis URL [--no-lend]  # shared through Redis [no places lent]
 
 The gateway processes run whatever ``usefulwork`` the environment's PYTHONPATH gives them; the client is
 this file's.
@@ -94,6 +95,7 @@ async def attempt(client: httpx.AsyncClient, url: str, body: dict, headers: dict
 async def request(client: httpx.AsyncClient, lb: Balancer, i: int, tenant: str, at: float, scale: float,
                   t_start: float, rng: np.random.Generator) -> dict[str, Any]:
     await asyncio.sleep(max(0.0, t_start + at / scale - time.perf_counter()))
+    first_send = time.perf_counter()
     body = {"model": MODEL, "prompt": f"{i} " + random_text(rng, 511), "max_tokens": 128, "ignore_eos": True,
             "stream": True}
     headers = {"authorization": f"Bearer {KEYS[tenant]}"}
@@ -112,6 +114,7 @@ async def request(client: httpx.AsyncClient, lb: Balancer, i: int, tenant: str, 
         if status != 429:
             out["outcome"] = "ok" if status == 200 else f"http {status}"
             out["ttft_s"], out["e2e_s"] = (ttft or e2e) * scale, e2e * scale  # simulated seconds
+            out["answer_s"] = (time.perf_counter() - first_send) * scale  # from the first send to the end
             break
         if wait is None or n == retries:
             break
@@ -132,7 +135,7 @@ def _drop_keys(url: str, prefix: str) -> None:
 
 
 def run(n_gateways: int, seed: int, scale: float, workdir: Path, sticky: bool = False,
-        redis_url: str | None = None) -> dict[str, Any]:
+        redis_url: str | None = None, lend: bool = True) -> dict[str, Any]:
     sim = SimProcess(gpu="A100-80G", model="Llama-3.1-8B", served_name=MODEL, port=free_port(), time_scale=scale,
                      log_path=workdir / "sim.log")
     sim.start()
@@ -143,7 +146,7 @@ def run(n_gateways: int, seed: int, scale: float, workdir: Path, sticky: bool = 
         cfg = {"pools": [{"name": "a100", "models": [MODEL], "replicas": [sim.base_url]}],
                "filters": ["admission"],
                "slo": {"ttft_ms": SLO[0] * 1e3 / scale, "tpot_ms": SLO[1] * 1e3 / scale, "e2e_ms": SLO[2] * 1e3 / scale},
-               "admission": _admission_in_wall_time({"redis_url": redis_url, "redis_prefix": prefix}
+               "admission": _admission_in_wall_time({"redis_url": redis_url, "redis_prefix": prefix, "lend_places": lend}
                                                     if redis_url else {}, scale),
                "tenants": {t: {"key_hashes": [hash_key(k)]} for t, k in KEYS.items()},
                "access": {"admin_key_hashes": [hash_key(ADMIN)]},
@@ -179,9 +182,11 @@ def run(n_gateways: int, seed: int, scale: float, workdir: Path, sticky: bool = 
             "errors": sum(1 for r in reqs if r["outcome"].startswith("http")),
             "first_retry_shed_reasons": {x: sum(1 for r in retried if r.get("first_retry_reason") == x)
                                          for x in {r.get("first_retry_reason") for r in retried if r["first_retry"] == "shed"}},
+            "answer_s_p50_p95": ([round(float(x), 3) for x in np.percentile([r["answer_s"] for r in served], [50, 95])]
+                                 if served else None),
             "told_s_median": float(np.median([r["told_s"] for r in back if "told_s" in r])) if any("told_s" in r for r in back) else None,
             "per_gateway": [{"retries_honoured": p["retries_honoured"], "retries_placeless": p.get("retries_placeless"),
-                             "retries_unproven": p.get("retries_unproven"), "shed": p["shed"],
+                             "retries_unproven": p.get("retries_unproven"), "places_borrowed": p.get("places_borrowed"), "shed": p["shed"],
                              "retry_return_rate": p["retry_return_rate"], "limit": p["capacity"]["limit"]} for p in pools]}
 
 
@@ -193,6 +198,7 @@ def main() -> int:
     ap.add_argument("--sticky", action="store_true", help="every attempt of a request to one gateway (the control)")
     ap.add_argument("--redis", default=None, metavar="URL",
                     help="the gateways share limits, fair-share counters and the retries' returns through this Redis")
+    ap.add_argument("--no-lend", action="store_true", help="with --redis: the gateways lend no places (lend_places: false)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--keep", type=Path, default=None, metavar="DIR",
                     help="keep each run's gateway and simulator logs under DIR/seed-S (with "
@@ -203,17 +209,17 @@ def main() -> int:
         if args.keep is not None:
             d = args.keep / f"seed-{seed}"
             d.mkdir(parents=True, exist_ok=True)
-            r = run(args.gateways, seed, args.time_scale, d, args.sticky, args.redis)
+            r = run(args.gateways, seed, args.time_scale, d, args.sticky, args.redis, not args.no_lend)
         else:
             with tempfile.TemporaryDirectory() as d:
-                r = run(args.gateways, seed, args.time_scale, Path(d), args.sticky, args.redis)
+                r = run(args.gateways, seed, args.time_scale, Path(d), args.sticky, args.redis, not args.no_lend)
         rows.append(r)
         share = r["admitted_on_first_retry"] / max(1, r["first_retries"])
         within = "-" if r["within_slo_of_served"] is None else f"{r['within_slo_of_served']:.1%}"
         print(f"gateways {r['gateways']} ({r['balance']}) seed {seed}: retrying clients sent {r['sent']}, served {r['served']}, "
               f"first retries admitted {r['admitted_on_first_retry']} of {r['first_retries']} ({share:.1%}), "
               f"served within the SLO {within}, errors {r['errors']}; first retries shed: {r['first_retry_shed_reasons']}; "
-              f"Retry-After median {r['told_s_median']} s; per gateway {r['per_gateway']}", flush=True)
+              f"Retry-After median {r['told_s_median']} s; first send to answer p50/p95 {r['answer_s_p50_p95']} s; per gateway {r['per_gateway']}", flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0

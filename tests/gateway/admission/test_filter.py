@@ -4,6 +4,7 @@ limits and budget, ledger fields, OTel metrics."""
 from __future__ import annotations
 
 import asyncio
+import math
 
 import orjson
 import pytest
@@ -648,6 +649,52 @@ def test_two_replicas_settle_a_retrys_return_through_redis(redis_url):
             await fa.sync_once()
             # one of the two came back, on B (taken back, then not: the older outcome weighs 0.95)
             assert qa.returns["acme"] == pytest.approx((0.95, 1.95))
+        finally:
+            await fa.stop()
+            await fb.stop()
+            drop_redis_keys(redis_url, adm["redis_prefix"])
+
+    asyncio.run(go())
+
+
+def test_two_replicas_lend_a_place_through_redis(redis_url):
+    """Replica A's slots are all young; replica B has a slot free beyond its tenant headroom (which is never
+    lent). Through their exchanges (the real Redis) A learns B's place, a client's retry reaching A takes
+    it, and B then leaves that slot idle until A's next request ends and gives it back. Without
+    ``lend_places`` nothing is lent."""
+    import uuid
+
+    from usefulwork.gateway.admission.queue import Ticket
+
+    adm = {"redis_url": redis_url, "redis_prefix": f"uwtest:{uuid.uuid4().hex}", "initial_concurrency": 2}
+    cfg = make_cfg(admission=adm)
+    fa, fb = make_filter(cfg), make_filter(cfg)
+    qa, qb = fa.queue_for(make_call(fa)), fb.queue_for(make_call(fb))
+    assert fa.ledger is not None and make_filter(make_cfg(admission={**adm, "lend_places": False})).ledger is None
+    for q in (qa, qb):
+        q.capacity.service, q.capacity.svc_ttft = 3.0, 0.1
+
+    async def go():
+        try:
+            now = fa.clock()
+            first = [Ticket("acme", 0, 100.0, now, now + 2.0) for _ in range(2)]
+            assert [qa.offer(t, now).kind for t in first] == ["admit", "admit"]  # A is full for ~3 s
+            assert qb.next_place(now) == now  # B: two slots free, one of them its headroom
+            await fb.lend_once()  # B publishes its place
+            await fa.lend_once()
+            assert [p for _, p in qa.fleet_places] == [fb.ledger.me]
+            now = fa.clock()
+            assert qa.offer(Ticket("acme", 0, 100.0, now, now + 0.6, retried=0), now).kind == "shed"
+            assert qa.offer(Ticket("acme", 0, 100.0, now, now + 0.6, retried=1), now).kind == "admit"
+            await fa.lend_once()
+            await fb.lend_once()
+            assert qb.owed == 1 and qb.slot_free(0) == 1  # B's lendable slot is A's retry's now
+            assert qb.next_place(fb.clock()) == math.inf  # (nothing more to lend: only the headroom is free)
+            qa.release(first[0], fa.clock())  # A's next end gives it back
+            await fa.lend_once()
+            await fb.lend_once()
+            assert qb.owed == 0 and qb.slot_free(0) == 2
+            assert fa.stats()["pools"]["p"]["places_borrowed"] == 1
         finally:
             await fa.stop()
             await fb.stop()

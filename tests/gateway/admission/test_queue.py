@@ -1928,3 +1928,57 @@ def test_a_shed_at_arrival_logs_what_its_decision_read_at_debug(caplog: pytest.L
     caplog.clear()
     assert q.offer(Ticket("a", 0, 640.0, 0.2, 0.7), 0.2).kind == "shed"  # (at INFO: nothing)
     assert not caplog.records
+
+
+def test_a_retry_with_no_slot_near_borrows_a_place_another_gateway_frees_within_its_budget():
+    """Behind a round-robin load balancer a retry reaches a gateway process whose slots were refilled in one
+    clump while another's next slot frees within the retry's budget (lending.PlaceLedger publishes it): the
+    retry takes that place here, each published place once, never beyond its budget, and only a retry its
+    client numbers (a first attempt was promised nothing)."""
+    q = make_queue(limit=1, service_s=3.0)
+    assert q.offer(Ticket("a", 0, 640.0, 0.0, 2.0), 0.0).kind == "admit"  # its slot frees at ~3 s
+    # budget: 0.6 s deadline - 0.1 s - 0.1 s expected TTFT = 0.4 s, of which the queue promises 0.3 s
+    assert q.offer(Ticket("a", 0, 640.0, 0.1, 0.6, retried=1), 0.1).kind == "shed"  # no place known elsewhere
+    q.settle_places([(0.5, "far"), (0.35, "near")], owed=0)
+    assert q.fleet_places[0] == (0.35, "near")
+    assert q.offer(Ticket("a", 0, 640.0, 0.1, 0.6, retried=0), 0.1).kind == "shed"  # a first attempt: no loan
+    assert q.offer(Ticket("a", 0, 640.0, 0.1, 0.6, retried=1), 0.1).kind == "admit"  # 0.25 s away: borrowed
+    assert list(q.loans) == ["near"] and q.inflight == 2 and q.stats(0.1)["places_borrowed"] == 1
+    # the place left is 0.4 s away, past what this retry may wait: shed, nothing borrowed
+    assert q.offer(Ticket("a", 0, 640.0, 0.1, 0.6, retried=2), 0.1).kind == "shed"
+    assert list(q.loans) == ["near"] and q.fleet_places == [(0.5, "far")]
+
+
+def test_a_lender_leaves_idle_the_slots_it_lent_and_a_borrower_gives_one_back_at_its_next_end():
+    """What other processes hold on loan from this one (``owed``, read at each exchange) is not free here;
+    the borrower's next request to end gives its loan back, whichever request that is."""
+    q = make_queue(limit=2, service_s=3.0)
+    assert q.offer(ticket(0.0), 0.0).kind == "admit"
+    assert q.slot_free(0) == 1
+    q.settle_places([], owed=1)  # a retry elsewhere runs on the slot this process had free
+    assert q.slot_free(0) == 0 and q.stats(0.0)["places_lent"] == 1
+    assert q.offer(ticket(0.1, deadline_s=0.6), 0.1).kind == "shed"  # its next slot frees at ~3 s
+    q.settle_places([], owed=0)  # given back
+    assert q.offer(ticket(0.2), 0.2).kind == "admit"
+
+    b = make_queue(limit=1, service_s=3.0)
+    first = Ticket("a", 0, 640.0, 0.0, 2.0)
+    assert b.offer(first, 0.0).kind == "admit"
+    b.settle_places([(0.3, "lender")], owed=0)
+    retry = Ticket("a", 0, 640.0, 0.1, 0.6, retried=1)
+    assert b.offer(retry, 0.1).kind == "admit" and list(b.loans) == ["lender"]
+    b.release(first, 3.0)  # the request that was here first ends: the slot goes back, nothing more starts here
+    assert not b.loans and b.inflight == 1 and b.slot_free(0) == 0
+
+
+def test_the_next_place_a_gateway_publishes_is_behind_its_own_queue_and_the_places_it_holds():
+    """``next_place``: now while a slot is free; else when a slot frees with nobody here to take it."""
+    q = make_queue(limit=2, service_s=3.0)
+    assert q.next_place(0.0) == 0.0  # idle: a slot is free now
+    assert q.offer(ticket(0.0), 0.0).kind == "admit"
+    assert q.next_place(0.0) == 0.0
+    assert q.offer(ticket(1.0), 1.0).kind == "admit"  # full: the first frees at ~3 s, the second at ~4 s
+    first = q.next_place(1.0)
+    assert 2.0 < first < 4.0
+    assert q.offer(ticket(1.1, deadline_s=10.0), 1.1).kind == "queue"  # a queued request takes that slot
+    assert q.next_place(1.1) > first

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from collections import Counter
 
 import orjson
 import time
@@ -35,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from usefulwork.gateway.admission.capacity import Capacity, Sample
 from usefulwork.gateway.admission.config import AdmissionCfg
 from usefulwork.gateway.admission.lease import LeasedLimits
+from usefulwork.gateway.admission.lending import PlaceLedger
 from usefulwork.gateway.admission.limits import (FailoverLimits, FairShareSync, Limits, LocalLimits, RedisLimits,
                                                 StoreDown, ratelimit_headers, seconds_to_midnight, whole_left)
 from usefulwork.gateway.admission.queue import SDK_RETRY_AFTER_MAX_S, PoolQueue, Ticket, retry_after_header
@@ -180,6 +182,9 @@ class AdmissionFilter:
         shared = getattr(limits, "shared", None)
         self.fair_sync = FairShareSync(shared.r, self.cfg.redis_prefix) if isinstance(shared, RedisLimits) else None
         self._sync_task: asyncio.Task | None = None
+        self.ledger = (PlaceLedger(shared.r, self.cfg.redis_prefix, self.cfg.lend_interval_s)
+                       if self.fair_sync is not None and self.cfg.lend_places else None)
+        self._lend_task: asyncio.Task | None = None
         self.queues: dict[str, PoolQueue] = {}
         self.decisions: dict[str, int] = {"admit": 0, "queued": 0, "shed": 0, "degraded": 0, "limited": 0}
         self._holding: dict[str, int] = {}  # tenant -> its requests this process holds (``max_inflight_per_process``)
@@ -565,6 +570,8 @@ class AdmissionFilter:
     async def start(self) -> None:
         if self.fair_sync is not None:
             self._sync_task = asyncio.create_task(self._sync_loop(), name="admission-fair-share-sync")
+        if self.ledger is not None:
+            self._lend_task = asyncio.create_task(self._lend_loop(), name="admission-place-lending")
 
     async def _sync_loop(self) -> None:
         while True:
@@ -585,7 +592,29 @@ class AdmissionFilter:
                     down = True  # (and the places let go here are learnt from this replica alone)
             q.settle_returns(unclaimed, came_back)
 
+    async def _lend_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.ledger.interval_s)
+            await self.lend_once()
+
+    async def lend_once(self) -> None:
+        """Exchange places and loans with the other processes (``lending.PlaceLedger``), then dispatch what
+        slots given back let start."""
+        for name, q in list(self.queues.items()):
+            now = self.clock()
+            wall = time.time()
+            at = q.next_place(now)
+            try:
+                places, owed = await self.ledger.exchange(name, wall + (at - now) if math.isfinite(at) else None,
+                                                          Counter(q.loans), wall)
+            except Exception:  # noqa: BLE001 - Redis down: each process on its own slots (limits log it)
+                places, owed = [], 0
+            shift = self.clock() - time.time()  # (wall seconds -> this process's clock)
+            q.settle_places([(a + shift, p) for a, p in places], owed)
+            self._dispatch(q, q.pump(self.clock()))
+
     async def stop(self) -> None:
+        await cancel_and_wait(self._lend_task)
         await cancel_and_wait(self._sync_task)
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)

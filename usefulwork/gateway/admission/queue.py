@@ -227,6 +227,11 @@ class PoolQueue:
     _run_ver: int = 0  # bumped when ``running`` or a running ticket's first token changes (``_slot_free_in``'s cache)
     _ends: tuple[Any, list[float]] = (None, [])  # (key, the sorted expected ends of what runs) cache
     _shed_at: deque[float] = field(default_factory=deque)  # when requests were shed the first time (``shed_demand``)
+    # Places lent between gateway processes (``lending.PlaceLedger``; ``borrow``):
+    fleet_places: list[tuple[float, str]] = field(default_factory=list)  # the others' next places (time, process), soonest first
+    owed: int = 0  # slots this process leaves idle: lent to other processes' retries, not given back yet
+    loans: deque[str] = field(default_factory=deque)  # slots this process runs on loan, per lender, oldest first
+    borrowed_total: int = 0
 
     @classmethod
     def from_cfg(cls, name: str, capacity: Capacity, cfg: AdmissionCfg, e2e_slo_s: float, **kw: Any) -> PoolQueue:
@@ -335,10 +340,10 @@ class PoolQueue:
                 h = max(1, math.ceil(slo * self.tenant_headroom))
                 headroom = state * h
         if cls == 0:
-            free = slo - headroom - self.inflight_cls[0]
+            free = slo - headroom - self.inflight_cls[0] - self.owed
             return free if state != -1 else free + self._left_to_drain(tenant, slo, slo, slo - h, self.inflight_top)
         reserve = max(1, math.ceil(slo * self.reserve_fraction)) if self.reserve_fraction else 0
-        free = max(1, fill - reserve - headroom) - self.inflight
+        free = max(1, fill - reserve - headroom) - self.inflight - self.owed
         return free if state != -1 else free + self._left_to_drain(
             tenant, slo, max(1, fill - reserve), max(1, fill - reserve - h), self.inflight_tenant)
 
@@ -596,6 +601,8 @@ class PoolQueue:
             return self._shed(t, "queue_full", wait or 0.0, now)
         if t.cls == 2:  # sheddable: only ever fills a free slot
             return self._shed(t, "sheddable", wait or 0.0, now)
+        if wait is not None and wait > QUEUE_SAFETY * budget and self._borrow(t, now, budget):
+            return Decision("admit")
         if wait is not None and wait > QUEUE_SAFETY * budget:
             # (where the SLO alone would have let it wait, its client's own timeout is why: it may allow more)
             slo_ok = t.gone_at is not None and wait <= QUEUE_SAFETY * (self._slo_latest(t) - now)
@@ -610,6 +617,49 @@ class PoolQueue:
         if t.cls == 0 and self.queued > sum(len(q) for q in self.queues[0].values()):
             woken.extend(self._overtaken(now))
         return Decision("queue", predicted_wait_s=wait or 0.0, woken=woken)
+
+    # -- places lent between gateway processes --
+    def _borrow(self, t: Ticket, now: float, budget: float) -> bool:
+        """Admit a client's retry that finds no slot here within its budget on a place another gateway process
+        expects to free within it (``fleet_places``, as ``next_place`` there said at the last exchange); that
+        process leaves a slot idle until this one's next request ends (``release`` gives the loan back).
+
+        Behind a load balancer that sends each attempt to the next gateway process, a retry reaches
+        another process than the one whose slots priced its Retry-After, n - 1 times in n, and the
+        processes' slots free at different times: one that refilled its slots from its queue in one clump
+        has none free for seconds while another's frees within the retry's budget. Behind three real
+        gateways (wall clock, seed 1) 29 of the 49 first retries shed had another process's first end
+        within their budget (docs/benchmarks.md section 7, session 53). Only a retry its client numbers
+        (``x-stainless-retry-count``) borrows: it was promised a place by the fleet."""
+        if not t.retried or not self.fleet_places or t.cls == 2:
+            return False
+        at, lender = self.fleet_places[0]
+        if at - now > QUEUE_SAFETY * budget:
+            return False
+        del self.fleet_places[0]  # (one retry per place: a place published once is lent once here)
+        self.loans.append(lender)
+        self.borrowed_total += 1
+        self._admit(t, now)
+        return True
+
+    def next_place(self, now: float) -> float:
+        """When a slot here frees with nobody here to take it (what this process publishes for other processes'
+        retries to borrow): behind the tickets queued here and the places held here for retries due by then.
+        The tenant headroom is not lent: it is kept free for a tenant under its share (``slot_free``)."""
+        headroom = max(1, math.ceil(self.capacity.current() * self.tenant_headroom)) if self.tenant_headroom else 0
+        free = max(0, self.slot_free(0) - headroom)
+        position = self.queued + 1 - free
+        if position <= 0 or not self.running:
+            return now if position <= 0 else math.inf
+        at = now + self._slot_free_in(position, now, free)
+        held = round(self._reserved_until(at, after=now - RESERVATION_LATE_S))
+        return at if not held else now + self._slot_free_in(position + held, now, free)
+
+    def settle_places(self, places: list[tuple[float, str]], owed: int) -> None:
+        """The last exchange of places (``lending.PlaceLedger``): the other processes' next places, and how
+        many slots other processes run on loan from this one (it leaves as many idle)."""
+        self.fleet_places = sorted(places)
+        self.owed = max(0, owed)
 
     def explain(self, t: Ticket, now: float, ahead: int, reserved: int, wait: float | None, budget: float) -> dict:
         """What a decision on ``t`` read: the gateway's DEBUG line for each shed at arrival (the loadtest's
@@ -627,7 +677,8 @@ class PoolQueue:
                 "est_e2e_s": r3(cap.est_e2e(t.max_tokens)), "slot_hold_s": r3(hold), "tpot_s": r3(tpot),
                 "tpot_terms": [r3(cap.tpot), r3(cap.tpot_full), r3(cap.live_tpot_mean),
                                r3(cap.tpot_at(cap.load_now)), r3(cap.load_now)],
-                "output_cap": out, "prefill_s": r3(cap.prefill_time()),
+                "output_cap": out, "prefill_s": r3(cap.prefill_time()), "lent": self.owed, "on_loan": len(self.loans),
+                "fleet_places_in_s": [round(at - now, 2) for at, _ in self.fleet_places[:4]],
                 "first_ends_in_s": [round(e - now, 2) for e in self._expected_ends(hold, tpot, out)[:8]]}
 
     def _overtaken(self, now: float) -> list[Ticket]:
@@ -1076,6 +1127,8 @@ class PoolQueue:
             _count_down(self.inflight_top, t.tenant)
         self.running.discard(t)
         self._run_ver += 1
+        if self.loans:  # the slot it held goes back to the process that lent one (its idle slot is free again)
+            self.loans.popleft()
         if t.prefilling:
             self._end_prefill(t)
         if actual_tokens is not None:
@@ -1154,6 +1207,7 @@ class PoolQueue:
                 "prefill_pending": self.pending, "prefill_pending_low_band": self.pending_low,
                 "retry_reservations": len(self.reservations), "retries_honoured": self.retries_honoured,
                 "retries_placeless": self.retries_placeless,
+                "places_borrowed": self.borrowed_total, "places_on_loan": len(self.loans), "places_lent": self.owed,
                 "retries_unproven": self.retries_unproven, "retries_by_place": self.retries_by_place(),
                 "retry_return_rate": {k: round(self.return_rate(k), 3) for k in self.returns},
                 "retry_return_rate_by_shed": {
