@@ -227,8 +227,8 @@ def classes(seeds: list[int], host: admission_clock.Host = admission_clock.A100)
     return data
 
 
-RETRY_WARM_S = 60.0
-LEND_S = AdmissionCfg().lend_interval_s  # the capacity-13 cell (40 s) and a quiet 20 s before the burst-retry cell
+RETRY_WARM_S = 60.0  # the capacity-13 cell (40 s) and a quiet 20 s before the burst-retry cell
+LEND_S = AdmissionCfg().lend_interval_s  # how often the gateways exchange places (``GatewaysSim._lend``)
 
 
 @dataclass(frozen=True)

@@ -602,14 +602,13 @@ class AdmissionFilter:
         slots given back let start."""
         for name, q in list(self.queues.items()):
             now = self.clock()
-            wall = time.time()
+            shift = now - time.time()  # (wall seconds, as the processes publish them -> this process's clock)
             at = q.next_place(now)
             try:
-                places, owed = await self.ledger.exchange(name, wall + (at - now) if math.isfinite(at) else None,
-                                                          Counter(q.loans), wall)
+                places, owed = await self.ledger.exchange(name, at - shift if math.isfinite(at) else None,
+                                                          Counter(q.loans), now - shift)
             except Exception:  # noqa: BLE001 - Redis down: each process on its own slots (limits log it)
                 places, owed = [], 0
-            shift = self.clock() - time.time()  # (wall seconds -> this process's clock)
             q.settle_places([(a + shift, p) for a, p in places], owed)
             self._dispatch(q, q.pump(self.clock()))
 

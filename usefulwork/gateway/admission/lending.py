@@ -37,7 +37,7 @@ class PlaceLedger:
     async def exchange(self, pool: str, next_at: float | None, loans: Counter[str], now: float
                        ) -> tuple[list[tuple[float, str]], int]:
         """Publish this process's next place (``next_at``, wall seconds; None: none in sight) and its loans per
-        lender; return the other processes' places (wall seconds, process), soonest first, and how many of
+        lender; return the other processes' places (wall seconds, process) and how many of
         this process's slots other live processes hold on loan. One pipeline."""
         places_key, loans_key = f"{self.prefix}:places:{pool}", f"{self.prefix}:loans:{pool}"
         fields = {f"{self.me}>{lender}": n for lender, n in loans.items() if n > 0}
@@ -77,4 +77,4 @@ class PlaceLedger:
             if gone_loans:
                 pipe.hdel(loans_key, *gone_loans)
             await pipe.execute()
-        return sorted(places), owed
+        return places, owed

@@ -227,7 +227,7 @@ class PoolQueue:
     _run_ver: int = 0  # bumped when ``running`` or a running ticket's first token changes (``_slot_free_in``'s cache)
     _ends: tuple[Any, list[float]] = (None, [])  # (key, the sorted expected ends of what runs) cache
     _shed_at: deque[float] = field(default_factory=deque)  # when requests were shed the first time (``shed_demand``)
-    # Places lent between gateway processes (``lending.PlaceLedger``; ``borrow``):
+    # Places lent between gateway processes (``lending.PlaceLedger``; ``_borrow``):
     fleet_places: list[tuple[float, str]] = field(default_factory=list)  # the others' next places (time, process), soonest first
     owed: int = 0  # slots this process leaves idle: lent to other processes' retries, not given back yet
     loans: deque[str] = field(default_factory=deque)  # slots this process runs on loan, per lender, oldest first
@@ -337,7 +337,7 @@ class PoolQueue:
                 # over its share: leave the headroom free; under it (among several): it may use the
                 # headroom beyond the limit too, so a full pool does not make it wait for the heavy
                 # tenant's work to drain
-                h = max(1, math.ceil(slo * self.tenant_headroom))
+                h = self._headroom_slots(slo)
                 headroom = state * h
         if cls == 0:
             free = slo - headroom - self.inflight_cls[0] - self.owed
@@ -346,6 +346,10 @@ class PoolQueue:
         free = max(1, fill - reserve - headroom) - self.inflight - self.owed
         return free if state != -1 else free + self._left_to_drain(
             tenant, slo, max(1, fill - reserve), max(1, fill - reserve - h), self.inflight_tenant)
+
+    def _headroom_slots(self, slo: int) -> int:
+        """Slots of the SLO limit ``slo`` that a tenant holding its fair share leaves free (``tenant_headroom``)."""
+        return max(1, math.ceil(slo * self.tenant_headroom)) if self.tenant_headroom else 0
 
     def _left_to_drain(self, tenant: str | None, slo: int, limit: int, allowed: int, counts: dict[str, int]) -> int:
         """The work (``counts``: in flight per tenant) of tenants over their share beyond what they may
@@ -601,9 +605,9 @@ class PoolQueue:
             return self._shed(t, "queue_full", wait or 0.0, now)
         if t.cls == 2:  # sheddable: only ever fills a free slot
             return self._shed(t, "sheddable", wait or 0.0, now)
-        if wait is not None and wait > QUEUE_SAFETY * budget and self._borrow(t, now, budget):
-            return Decision("admit")
         if wait is not None and wait > QUEUE_SAFETY * budget:
+            if self._borrow(t, now, budget):
+                return Decision("admit")
             # (where the SLO alone would have let it wait, its client's own timeout is why: it may allow more)
             slo_ok = t.gone_at is not None and wait <= QUEUE_SAFETY * (self._slo_latest(t) - now)
             if log.isEnabledFor(logging.DEBUG):
@@ -631,7 +635,7 @@ class PoolQueue:
         gateways (wall clock, seed 1) 29 of the 49 first retries shed had another process's first end
         within their budget (docs/benchmarks.md section 7, session 53). Only a retry its client numbers
         (``x-stainless-retry-count``) borrows: it was promised a place by the fleet."""
-        if not t.retried or not self.fleet_places or t.cls == 2:
+        if not t.retried or not self.fleet_places:
             return False
         at, lender = self.fleet_places[0]
         if at - now > QUEUE_SAFETY * budget:
@@ -646,8 +650,7 @@ class PoolQueue:
         """When a slot here frees with nobody here to take it (what this process publishes for other processes'
         retries to borrow): behind the tickets queued here and the places held here for retries due by then.
         The tenant headroom is not lent: it is kept free for a tenant under its share (``slot_free``)."""
-        headroom = max(1, math.ceil(self.capacity.current() * self.tenant_headroom)) if self.tenant_headroom else 0
-        free = max(0, self.slot_free(0) - headroom)
+        free = max(0, self.slot_free(0) - self._headroom_slots(self.capacity.current()))
         position = self.queued + 1 - free
         if position <= 0 or not self.running:
             return now if position <= 0 else math.inf
