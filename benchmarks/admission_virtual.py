@@ -280,10 +280,14 @@ class GatewaysSim(_OwnQueue, autoscale.Simulation):
     def _lend(self) -> None:
         """Each gateway learns the others' next places and what they hold on loan from it (as the Redis
         exchange does, with no delay beyond its interval)."""
+        held = [o.held_places(self.now) for o in self.gateways]
+        took = [o.took_places(self.now) for o in self.gateways]
         for i, q in enumerate(self.gateways):
-            places = [(at, str(j)) for j, o in enumerate(self.gateways)
-                      if j != i and math.isfinite(at := o.next_place(self.now))]
-            q.settle_places(places, sum(o.loans.count(str(i)) for j, o in enumerate(self.gateways) if j != i))
+            others = [(j, o) for j, o in enumerate(self.gateways) if j != i]
+            places = [(at, str(j)) for j, o in others if math.isfinite(at := o.next_place(self.now))]
+            q.settle_places(places, sum(o.loans.count(str(i)) for _, o in others),
+                            {k: (at, since, n, str(j)) for j, _ in others for k, at, since, n in held[j]},
+                            [(k, at) for j, _ in others for k, at, holder in took[j] if holder == str(i)])
         self._pump()
 
     def _each(self, fn: Any) -> None:
@@ -464,6 +468,8 @@ def _retrying_figures(reqs: list[Any], slo: Any) -> dict[str, Any]:
     ok = sum(1 for r in served if r.ttft - (r.sent - r.t0) <= slo.ttft_ms / 1e3 and r.e2e - (r.sent - r.t0) <= slo.e2e_ms / 1e3)
     return {"sent": len(reqs), "served": len(served), "first_retries": len(retried),
             "admitted_on_first_retry": sum(1 for r in retried if r.first_retry == "admitted"),
+            # (shed because its client's declared deadline, the time it had left, could not be met)
+            "first_retry_client_timeout": sum(1 for r in retried if r.first_retry_reason == "client_timeout"),
             "attainment_served": ok / len(served) if served else None}
 
 

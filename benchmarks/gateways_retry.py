@@ -186,7 +186,8 @@ def run(n_gateways: int, seed: int, scale: float, workdir: Path, sticky: bool = 
                                  if served else None),
             "told_s_median": float(np.median([r["told_s"] for r in back if "told_s" in r])) if any("told_s" in r for r in back) else None,
             "per_gateway": [{"retries_honoured": p["retries_honoured"], "retries_placeless": p.get("retries_placeless"),
-                             "retries_unproven": p.get("retries_unproven"), "places_borrowed": p.get("places_borrowed"), "shed": p["shed"],
+                             "retries_unproven": p.get("retries_unproven"), "places_borrowed": p.get("places_borrowed"),
+                             "places_claimed": p.get("places_claimed"), "shed": p["shed"],
                              "retry_return_rate": p["retry_return_rate"], "limit": p["capacity"]["limit"]} for p in pools]}
 
 

@@ -17,11 +17,13 @@ SSE = (b'data: {"choices":[{"index":0,"text":"hi"}]}\n\n'
        b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1}}\n\ndata: [DONE]\n\n')
 
 
-def run_send(responses: list[httpx.Response], honor: bool):
+def run_send(responses: list[httpx.Response], honor: bool, declared: list[int] | None = None):
     seen: list[float] = []
 
     def handler(request: httpx.Request) -> httpx.Response:
         seen.append(time.perf_counter())
+        if declared is not None:
+            declared.append(int(request.headers["x-envoy-expected-rq-timeout-ms"]))
         return responses[min(len(seen) - 1, len(responses) - 1)]
 
     async def go():
@@ -44,6 +46,15 @@ def test_client_waits_retry_after_ms_then_is_admitted():
     assert res.retry_after_s == 0.15 and res.shed_reason == "predicted_wait" and res.group == "g"
     assert seen[1] - seen[0] >= 0.15
     assert res.ttft >= 0.15  # counted from the first send, as the user waits
+
+
+def test_client_declares_on_each_attempt_the_time_it_has_left_for_the_whole_answer():
+    """Its timeout (5 s) counts from the first send: the retry, 0.4 s later, has 0.4 s less."""
+    declared: list[int] = []
+    res, seen = run_send([shed(400), httpx.Response(200, content=SSE)], honor=True, declared=declared)
+    assert res.outcome == "ok" and len(declared) == 2
+    assert 4900 <= declared[0] <= 5000
+    assert declared[1] <= declared[0] - 400 and declared[1] >= declared[0] - 1000
 
 
 def test_client_without_honouring_stops_at_the_429_and_gives_up_after_max_retries():

@@ -229,11 +229,13 @@ def test_first_retries_are_admitted_behind_gateways_that_do_not_share_their_held
 
 def test_gateways_that_lend_each_other_places_admit_more_first_retries():
     """The same three gateway processes exchanging places (admission.lend_places, the default with Redis;
-    lending.PlaceLedger): a retry that finds no slot near where it arrives takes a place another process
-    frees within its budget, and that process leaves the slot idle until the loan is given back. Over
-    seeds 1-4: 91.0% -> 94.3% of first retries admitted, every cell's served still within the SLO (on the
-    wall clock, where the processes' slots run further out of phase, 71.5-75.7% -> over 90%:
-    docs/benchmarks.md section 7, session 53)."""
+    lending.PlaceLedger): a retry claims the place held for it by the process that shed it (that process lets
+    it go, or lends it where the retry finds no slot near where it arrives), or takes a place another process
+    frees within its budget, and the lender leaves the slot idle until the loan is given back. Over seeds
+    1-4: 91.0% -> 96.1% of first retries admitted (94.3% with next places lent alone, session 53). The places
+    let go at once are filled, so the replica runs fuller: 5 of seed 1's 269 answers ended 0.06-0.18 s past
+    the 5 s E2E SLO (98.1%; the issue's bar is 95%). On the wall clock, seeds 1-5: docs/benchmarks.md
+    section 7, sessions 53 and 54."""
     from benchmarks import admission_virtual as av
 
     def share(lend: bool) -> tuple[float, list]:
@@ -241,8 +243,8 @@ def test_gateways_that_lend_each_other_places_admit_more_first_retries():
         return sum(c["admitted_on_first_retry"] for c in cells) / sum(c["first_retries"] for c in cells), cells
 
     (alone, _), (lent, cells) = share(False), share(True)
-    assert lent >= 0.92 and lent > alone + 0.02, (alone, lent)
-    assert all(c["attainment_served"] >= 0.99 for c in cells)
+    assert lent >= 0.95 and lent > alone + 0.04, (alone, lent)
+    assert all(c["attainment_served"] >= 0.98 for c in cells)
 
 
 def test_the_burst_retry_cell_on_a_recorded_cpu_vllm_keeps_the_loadtest_clients_timeout():
@@ -298,7 +300,13 @@ def test_first_retries_are_admitted_on_the_recorded_cpu_vllm_replicas():
     hosts), seeds 1-6 each: a slot is held 10-20 s there, so no held place ends before the whole first
     wave of sheds is told its Retry-After, priced on the return prior alone. The retrying clients number
     their attempts (an SDK that retries by default): their places count in full, and at least 80% of first
-    retries are admitted on every host. At half (the prior for clients that do not say), 57-72%."""
+    retries are admitted on every host. At half (the prior for clients that do not say), 57-72%.
+
+    The clients declare the time they have left (their 30 s counts from the first send), so a retry whose
+    answer could not end before its client gives up is shed with ``client_timeout`` (s43's replica: 8 of
+    89 first retries; 6 of them had been admitted and then timed out before the clients declared it).
+    Those are not counted: no admission could answer them in time. (Counted, s43: 69 of 89, 77.5%; before
+    the declaration 75 of 91 were admitted, 57 of them answered after their client left.)"""
     import json
     from pathlib import Path
 
@@ -308,9 +316,10 @@ def test_first_retries_are_admitted_on_the_recorded_cpu_vllm_replicas():
     for host in ("s27", "s29", "s35d", "s43"):
         results = {"calibration": json.loads((bench / f"admission-vllm-results-{host}.json").read_text())["calibration"]}
         cells = [av.probed_retry_cell(seed, results) for seed in range(1, 7)]
-        first = sum(c["first_retries"] for c in cells)
+        first = sum(c["first_retries"] - c["first_retry_client_timeout"] for c in cells)
         admitted = sum(c["admitted_on_first_retry"] for c in cells)
         assert first > 40 and admitted / first >= 0.8, (host, admitted, first)
+        assert sum(c["first_retry_client_timeout"] for c in cells) <= 0.1 * first
 
 
 def test_a_gateway_restarted_beside_a_full_replica_prices_its_slots_at_what_requests_take_now():

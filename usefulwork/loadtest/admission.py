@@ -36,6 +36,7 @@ def per_request(results: Sequence[RequestResult], slo: SLOSpec, time_scale: floa
         "good": [is_good(r, slo) for r in results],
         "retries": [r.retries for r in results],
         "first_retry": [r.first_retry for r in results],
+        "first_retry_reason": [r.first_retry_reason for r in results],
         "retry_after_s": [r.retry_after_s for r in results],
         "shed_wall_s": [r.shed_s / time_scale for r in results],
         "shed_reason": [r.shed_reason for r in results],
@@ -203,6 +204,9 @@ def verdicts(exp, cells: list[dict[str, Any]]) -> dict[str, Any]:
                         # admitted on the first retry, then past the client's timeout (from the first send)
                         "admitted_then_timed_out": sum(1 for x in retried if x["first_retry"] == "admitted"
                                                        and x["outcomes"] == "timeout"),
+                        # shed on the first retry because its client's declared deadline (the time it had left)
+                        # could not be met: no admission could have answered it in time
+                        "shed_for_client_timeout": sum(1 for x in retried if x.get("first_retry_reason") == "client_timeout"),
                         "good_of_retried": sum(1 for x in retried if x["good"]),
                         "final": {o: sum(1 for x in rows if x["outcomes"] == o) for o in ("ok", "shed", "timeout", "error")}}
         checks["retry_first_ge_80pct"] = bool(retried) and admitted / len(retried) >= 0.80

@@ -51,7 +51,7 @@ from usefulwork.backends.sim.engine import SimEngine
 from usefulwork.backends.sim.scheduler import SimRequest
 from usefulwork.gateway.admission.capacity import Capacity, Sample
 from usefulwork.gateway.admission.config import AdmissionCfg
-from usefulwork.gateway.admission.queue import SDK_RETRY_AFTER_MAX_S, PoolQueue, Ticket
+from usefulwork.gateway.admission.queue import CLIENT_TIMEOUT_SHARE, SDK_RETRY_AFTER_MAX_S, PoolQueue, Ticket
 from usefulwork.loadtest.metrics import SLOSpec
 from usefulwork.loadtest.hpa import HPA, SEED_DOWN, SEED_UP, SYNC_PERIOD_S, Rules
 from usefulwork.upstream.fleet import Replica as ReplicaView
@@ -204,6 +204,7 @@ class Req:
     tenant: str = "default"
     max_retries: int | None = None  # None: the client's
     first_retry: str = ""  # its first retry: "admitted" (dispatched), "shed" ("" when none)
+    first_retry_reason: str = ""  # why its first retry was shed
     outcome: str | None = None  # ok | timeout | shed | error
     ttft: float | None = None
     e2e: float | None = None
@@ -310,6 +311,8 @@ class Simulation:
                    retried=req.attempts - 1 if self._retries(req) else None)
         # (the OpenAI SDK numbers its attempts: x-stainless-retry-count; a client that never retries, as the
         # loadtest's that does not honour Retry-After, does not)
+        if self.client.from_first_send:  # (the loadtest's client declares the time it has left on every attempt)
+            t.done_by = self.now + CLIENT_TIMEOUT_SHARE * (req.t0 + self.client.timeout_s - self.now)
         t.waiter = req
         req.ticket = t
         d = self.queue.offer(t, self.now)
@@ -336,6 +339,7 @@ class Simulation:
     def _shed(self, req: Req, retry_after_s: float) -> None:
         if req.attempts == 2 and not req.first_retry:
             req.first_retry = "shed"
+            req.first_retry_reason = (req.ticket.shed_reason if req.ticket is not None else None) or ""
         retries = self._retries(req)
         if req.attempts <= retries and retry_after_s <= self.client.max_retry_after_s:
             if self.client.from_first_send and self.now + retry_after_s >= req.t0 + self.client.timeout_s:

@@ -51,6 +51,7 @@ class RequestResult:
     group: str = ""  # the client mix entry that sent it (tenant / priority), "" for a single client
     retries: int = 0  # 429s it waited out (honouring Retry-After) before its last attempt
     first_retry: str = ""  # outcome of the first retry: "admitted" or "shed" ("" when none)
+    first_retry_reason: str = ""  # x-usefulwork-shed-reason of the first retry, where it was shed
     retry_after_s: float = 0.0  # Retry-After of the first 429
     shed_s: float = 0.0  # send -> the first 429's answer (how early admission said no)
     shed_reason: str = ""  # x-usefulwork-shed-reason of the first 429
@@ -107,6 +108,8 @@ async def _stream(client: httpx.AsyncClient, url: str, body: bytes, headers: dic
             # Decided when the gateway answers: a retry admitted here whose answer then runs past the
             # client's timeout (counted from the first send) was still admitted on its first retry.
             res.first_retry = "shed" if resp.status_code == 429 else "admitted"
+            if resp.status_code == 429:
+                res.first_retry_reason = resp.headers.get("x-usefulwork-shed-reason", "")
         if resp.status_code != 200:
             detail = (await resp.aread())[:300].decode(errors="replace")
             res.outcome = "shed" if resp.status_code == 429 else "error"
@@ -164,6 +167,11 @@ def finish_stream(res: RequestResult, done: bool) -> None:
         res.output_tokens = res.chunks  # best effort: one token per chunk
 
 
+# The time left for the whole answer, in milliseconds, on every attempt: Envoy's name for the route timeout it
+# declares upstream (the gateway's admission reads it: filter.CLIENT_TIMEOUT_HEADERS).
+DEADLINE_HEADER = "x-envoy-expected-rq-timeout-ms"
+
+
 def retry_after(headers: httpx.Headers) -> float | None:
     """Seconds to wait from ``retry-after-ms`` (what the OpenAI SDKs read first) or ``retry-after``."""
     for name, scale in (("retry-after-ms", 1000.0), ("retry-after", 1.0)):
@@ -195,6 +203,10 @@ async def send(client: httpx.AsyncClient, base_url: str, spec: RequestSpec, mode
     ``max_retries`` times, within the same overall timeout), unless it says ``x-should-retry: false``
     (as the OpenAI SDKs obey it: a spent budget is not waited out until midnight); TTFT and E2EL then
     count from the first send, as the user lives them.
+
+    Every attempt declares the time the client has left for the whole answer (``DEADLINE_HEADER``: its
+    timeout less the time since its first send), as Envoy declares its route's timeout upstream: a gateway
+    that reads it sheds an attempt that cannot end in time instead of serving an answer nobody waits for.
     """
     res = RequestResult(index=spec.index, kind=spec.kind, planned=planned, planned_input_tokens=spec.input_tokens,
                         group=group, text=[] if keep_text else None)
@@ -208,8 +220,13 @@ async def send(client: httpx.AsyncClient, base_url: str, spec: RequestSpec, mode
     body = orjson.dumps(spec.body(model))
     t_send = time.perf_counter()
     res.sent = t_send - clock0
+
+    def time_left() -> None:
+        hdrs[DEADLINE_HEADER] = str(max(1, int(1000.0 * (timeout_s - (time.perf_counter() - t_send)))))
+
     try:
         async with asyncio.timeout(timeout_s):
+            time_left()
             await _stream(client, base_url + path, body, hdrs, res, t_send, clock0)
             while (honor_retry_after and res.outcome == "shed" and res.retries < max_retries and res.retry_after_s
                    and not res.final):
@@ -217,6 +234,7 @@ async def send(client: httpx.AsyncClient, base_url: str, spec: RequestSpec, mode
                 res.retries += 1
                 res.outcome, res.error, res.status = "ok", "", 0
                 hdrs["x-stainless-retry-count"] = str(res.retries)
+                time_left()
                 await _stream(client, base_url + path, body, hdrs, res, t_send, clock0)
     except TimeoutError:
         res.outcome, res.error = "timeout", f"no complete answer within {timeout_s:g}s"

@@ -18,7 +18,9 @@ from tests.conftest import free_port
 from tests.gateway.admission.test_limits import _start_redis
 from usefulwork.backends.sim.process import SimProcess
 from usefulwork.gateway.tenants import hash_key
+from usefulwork.loadtest.client import send
 from usefulwork.loadtest.experiment import Gateway
+from usefulwork.loadtest.workloads import RequestSpec
 
 pytestmark = pytest.mark.slow
 MODEL = "llama"
@@ -129,6 +131,43 @@ def test_an_sdk_client_that_gives_up_sooner_than_the_slo_gets_a_rate_limit_error
         assert shed.response.headers["x-usefulwork-shed-reason"] == shed.body["code"] == "client_timeout"
         assert float(shed.response.headers["retry-after-ms"]) > 0
         assert isinstance(timed_out, openai.APITimeoutError)
+    finally:
+        gw.stop()
+
+
+def test_the_loadtest_client_declares_the_time_it_has_left_and_is_shed_not_timed_out(sim, tmp_path):
+    """The loadtest client declares, on every attempt, the time it has left for the whole answer (Envoy's
+    ``x-envoy-expected-rq-timeout-ms``). One slot held for seconds, a 20 s TTFT SLO: its request with 1.5 s
+    left is shed at once (``client_timeout``, with a Retry-After); the same request without the header
+    queues past the client's 1.5 s (it would have been served after its client left)."""
+    gw = gateway(sim, tmp_path, slo={"ttft_ms": 20000, "e2e_ms": 60000},
+                 admission={"initial_concurrency": 1, "max_concurrency": 1})
+    try:
+        url = gw.base_url + "/v1"
+        patient = openai.OpenAI(base_url=url, api_key="k", max_retries=0)
+        long = dict(model=MODEL, prompt="a " * 50, max_tokens=256, extra_body={"ignore_eos": True})
+        patient.completions.create(**long)  # measured: a slot is held for the seconds such an answer takes
+        spec = RequestSpec(index=0, endpoint="completions", max_tokens=8, input_tokens=50, prompt="b " * 50)
+
+        async def run():
+            task = asyncio.ensure_future(asyncio.to_thread(patient.completions.create, **long))
+            await asyncio.sleep(0.3)
+            async with httpx.AsyncClient(timeout=None) as c:
+                res = await send(c, gw.base_url, spec, MODEL, timeout_s=1.5, clock0=time.perf_counter(), planned=0.0)
+                t0 = time.monotonic()
+                try:
+                    await c.post(url + "/completions", json=spec.body(MODEL), timeout=1.5)
+                    undeclared = "answered"
+                except httpx.ReadTimeout:
+                    undeclared = "timed out"
+                waited = time.monotonic() - t0
+            await task
+            return res, undeclared, waited
+
+        res, undeclared, waited = asyncio.run(run())
+        assert (res.outcome, res.status, res.shed_reason) == ("shed", 429, "client_timeout")
+        assert res.shed_s < 0.5 and res.retry_after_s > 0
+        assert undeclared == "timed out" and waited >= 1.4
     finally:
         gw.stop()
 

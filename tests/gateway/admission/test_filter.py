@@ -13,7 +13,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from tests.conftest import drop_redis_keys
 from usefulwork.config import from_mapping
-from usefulwork.gateway.admission.filter import AdmissionFilter, client_timeout_s
+from usefulwork.gateway.admission.filter import AdmissionFilter, client_timeouts
 from usefulwork.gateway.admission.queue import SDK_RETRY_AFTER_MAX_S
 from usefulwork.gateway.context import NullAccountant, RequestContext
 from usefulwork.gateway.pipeline import Call, Reply, Services
@@ -329,15 +329,16 @@ def test_a_queued_request_is_answered_429_before_the_timeout_its_client_declares
     5 s deadline after its client left."""
     f = make_filter(make_cfg(admission={"initial_concurrency": 1, "max_concurrency": 1}, slo={"ttft_ms": 5000}))
 
-    def declared(*headers: tuple[bytes, bytes]) -> float | None:
+    def declared(*headers: tuple[bytes, bytes]) -> tuple[float | None, float | None]:
         call = make_call(f)
         call.headers.extend(headers)
-        return client_timeout_s(call)
+        return client_timeouts(call)
 
-    assert declared() is None and declared((b"x-stainless-read-timeout", b"600.0")) == 600.0
-    assert declared((b"x-stainless-read-timeout", b"30"), (b"x-envoy-expected-rq-timeout-ms", b"15000")) == 15.0
+    assert declared() == (None, None) and declared((b"x-stainless-read-timeout", b"600.0")) == (600.0, None)
+    # (the SDK's read timeout bounds the first bytes; Envoy's route timeout the whole answer)
+    assert declared((b"x-stainless-read-timeout", b"30"), (b"x-envoy-expected-rq-timeout-ms", b"15000")) == (30.0, 15.0)
     for bad in (b"soon", b"-1", b"0", b"inf", b"nan"):  # (a hint: ignored, not a 400)
-        assert declared((b"x-stainless-read-timeout", bad)) is None
+        assert declared((b"x-stainless-read-timeout", bad), (b"x-envoy-expected-rq-timeout-ms", bad)) == (None, None)
 
     call = make_call(f)
     call.headers.append((b"x-stainless-read-timeout", b"2.0"))
@@ -701,6 +702,67 @@ def test_two_replicas_lend_a_place_through_redis(redis_url):
             drop_redis_keys(redis_url, adm["redis_prefix"])
 
     asyncio.run(go())
+
+
+def test_a_retry_reaching_another_replica_claims_the_place_held_for_it_through_redis(redis_url, monkeypatch):
+    """Replica A sheds a numbered first attempt and holds its place; the retry reaches replica B, full for
+    longer than the retry may wait. Through their exchanges (the real Redis) B knows A's held place by the
+    request's key, the retry claims it and runs on it as A's loan, and A lets the place go (learnt as taken
+    back) and leaves one slot idle until B's next request ends."""
+    import uuid
+
+    from usefulwork.gateway.admission import filter as filter_module, queue as queue_module
+    from usefulwork.gateway.admission.queue import Ticket
+
+    monkeypatch.setattr(queue_module, "HELD_AHEAD_S", 60.0)  # (publish the place now, not 2 s before it is due)
+    adm = {"redis_url": redis_url, "redis_prefix": f"uwtest:{uuid.uuid4().hex}", "initial_concurrency": 1,
+           "tenant_headroom": 0.0}
+    fa, fb = make_filter(make_cfg(admission=adm)), make_filter(make_cfg(admission=adm))
+    qa, qb = fa.queue_for(make_call(fa)), fb.queue_for(make_call(fb))
+    for q in (qa, qb):
+        q.capacity.service, q.capacity.svc_ttft = 3.0, 0.1
+    key_of = filter_module._retry_key("acme", b'{"model": "m", "messages": []}', {})
+
+    async def go():
+        try:
+            now = fa.clock()
+            assert qa.offer(Ticket("acme", 0, 100.0, now, now + 2.0), now).kind == "admit"  # A is full for ~3 s
+            shed = Ticket("acme", 0, 100.0, now, now + 0.6, retried=0, key_of=key_of)
+            assert qa.offer(shed, now).kind == "shed"
+            at = now + shed.retry_after_s
+            assert qb.offer(Ticket("acme", 0, 100.0, at - 0.5, at + 2.0), at - 0.5).kind == "admit"  # B: ~at + 2.5
+            await fa.lend_once()
+            await fb.lend_once()
+            assert list(qb.fleet_held) == [key_of()]
+            retry = Ticket("acme", 0, 100.0, at, at + 0.6, retried=1, key_of=key_of)
+            assert qb.offer(retry, at).kind == "admit" and list(qb.loans) == [fa.ledger.me]
+            await fb.lend_once()
+            await fa.lend_once()
+            assert qa.held_places(fa.clock()) == [] and qa.owed == 1 and qa.slot_free(0) == -1
+            pa = fa.stats()["pools"]["p"]
+            assert pa["places_claimed_elsewhere"] == 1 and pa["retry_reservations"] == 0
+            assert fb.stats()["pools"]["p"]["places_claimed"] == 1
+        finally:
+            await fa.stop()
+            await fb.stop()
+            drop_redis_keys(redis_url, adm["redis_prefix"])
+
+    asyncio.run(go())
+
+
+def test_a_requests_retry_key_is_the_same_in_every_gateway_process():
+    """Another process holds a retry's place under the key its process computed (Python's ``hash`` is salted
+    per process: ``PYTHONHASHSEED``)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from usefulwork.gateway.admission.filter import _retry_key; "
+            "print(_retry_key('acme', b'{\"model\": \"m\"}', {})(), _retry_key('acme', None, {'model': 'm'})(), "
+            "_retry_key('other', b'{\"model\": \"m\"}', {})())")
+    keys = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout.split() for seed in ("1", "2")]
+    assert keys[0] == keys[1] and len(set(keys[0])) == 3 and all(0 < int(k) < 2**63 for k in keys[0])
 
 
 def test_the_in_process_cost_benchmark_runs_the_filter_on_every_path_it_times():

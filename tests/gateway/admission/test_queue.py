@@ -356,6 +356,25 @@ def test_a_client_that_gives_up_before_the_slo_is_answered_429_within_its_own_ti
     assert d.kind == "queue" and q.expire(1.9) == [late] and late.shed_reason == "deadline"
 
 
+def test_a_deadline_for_the_whole_answer_bounds_a_streams_last_token_not_its_first():
+    """``Ticket.done_by`` (Envoy's route timeout, or a client's deadline across its retries) covers the whole
+    answer, a stream's too: where a read timeout at 1.6 s lets a stream queue ~1 s for its first token, a
+    whole-answer deadline at 1.6 s does not (its 1 s answer would end at ~2 s, after its client left)."""
+
+    def offer(gone_at: float | None, done_by: float | None) -> Decision:
+        q = make_queue(limit=1, service_s=1.0)
+        q.offer(ticket(0.0), 0.0)
+        t = ticket(0.0)
+        t.gone_at, t.done_by, t.key = gone_at, done_by, 7
+        return q.offer(t, 0.0)
+
+    assert offer(1.6, None).kind == "queue"
+    d = offer(None, 1.6)
+    assert (d.kind, d.reason) == ("shed", "client_timeout") and d.retry_after_s > 0
+    assert offer(None, 2.6).kind == "queue"  # 1.6 s after a 1 s answer: the ~1 s wait fits
+    assert offer(5.0, 1.6).reason == "client_timeout"  # the shorter bound counts
+
+
 def test_a_ticket_dropped_at_its_latest_start_is_told_when_its_retry_fits_and_that_place_is_held():
     """As a shed at arrival: a Retry-After from the drain, and a reservation its retry takes back (a
     dropped ticket used to get no place, and the queue's length over the drain rate: burst-retry clients
@@ -1982,3 +2001,52 @@ def test_the_next_place_a_gateway_publishes_is_behind_its_own_queue_and_the_plac
     assert 2.0 < first < 4.0
     assert q.offer(ticket(1.1, deadline_s=10.0), 1.1).kind == "queue"  # a queued request takes that slot
     assert q.next_place(1.1) > first
+
+
+def test_a_retry_reaching_another_gateway_claims_the_place_held_for_it_there_and_the_holder_lets_it_go():
+    """Behind a round-robin load balancer a client's retry reaches another gateway process than the one that
+    shed it, which holds its place (published: ``held_places`` -> ``settle_places(held=...)``). The retry
+    claims that place: where the process it reached has no slot within its budget, the holder lends it
+    (a loan, as a published next place); where it has one, it runs there. Either way the holder lets the
+    place go when it reads that it was taken (``took_places`` -> ``settle_places(taken=...)``), learns its
+    client came back, and does not let a place go whose time does not match."""
+    h = make_queue(limit=1, service_s=3.0)
+    assert h.offer(ticket(0.0), 0.0).kind == "admit"  # its slot frees at ~3 s
+    shed = Ticket("a", 0, 640.0, 0.1, 2.1, retried=0)
+    shed.key = 42
+    assert h.offer(shed, 0.1).kind == "shed"
+    at = 0.1 + shed.retry_after_s
+    assert h.held_places(0.1 - 2.0) == []  # (only places due within HELD_AHEAD_S are published)
+    (published,) = h.held_places(at - 1.0)
+    assert published[:2] == (42, at)
+
+    def other(admitted_at: float) -> PoolQueue:
+        o = make_queue(limit=1, service_s=3.0)
+        assert o.offer(ticket(admitted_at), admitted_at).kind == "admit"
+        o.settle_places([], owed=0, held={k: (a, since, n, "h") for k, a, since, n in [published]})
+        return o
+
+    def retry() -> Ticket:
+        t = Ticket("a", 0, 640.0, at, at + 2.0, retried=1)
+        t.key = 42
+        return t
+
+    o = other(at - 0.01)  # full until ~at + 3 s: no slot within the retry's budget here
+    assert o.offer(retry(), at).kind == "admit"
+    assert list(o.loans) == ["h"] and o.took_places(at) == [(42, at, "h")]
+    assert o.stats(at)["places_claimed"] == 1 and o.stats(at)["places_borrowed"] == 1
+    o.settle_places([], owed=0, held={42: (at, 0.1, 1, "h")})  # the holder's next list still has it ...
+    assert o.fleet_held == {}  # ... it is not offered twice
+    assert o.took_places(at + 3.5) == []  # (published for TOOK_KEEP_S)
+
+    local = other(at - 3.0)  # its slot frees at ~at: the retry runs here, on no loan
+    assert local.offer(retry(), at).kind in ("admit", "queue") and not local.loans
+    assert local.took_places(at) == [(42, at, "h")]
+
+    h.settle_places([], owed=1, taken=[(42, at + 0.5)])  # a time that does not match: another place
+    assert h.held_places(at) != [] and h.stats(at)["places_claimed_elsewhere"] == 0
+    assert "a" not in h.returns
+    h.settle_places([], owed=1, taken=[(42, at)])
+    assert h.held_places(at) == [] and not h.reservations and h.stats(at)["places_claimed_elsewhere"] == 1
+    assert h.returns["a"] == (1.0, 1.0)  # learnt: its client came back
+    assert h.slot_free(0) == -1  # (its own request runs, and it leaves the lent slot idle)

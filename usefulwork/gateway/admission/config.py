@@ -78,13 +78,16 @@ class AdmissionCfg(BaseModel):
                                       "rpm limit, of its tpm limit, and of the budget left today.")
     lease_idle_s: float = Field(0.5, gt=0, description="A grant unused this long (no request of that tenant in the "
                                 "process) is given back to the shared buckets.")
-    lend_places: bool = Field(True, description="With redis_url: a client's retry that reaches a gateway process "
-                              "with no slot free within its budget takes a place that another process expects to "
-                              "free within it (each publishes its next place), and that process leaves the slot idle "
-                              "until the borrower's next request ends (behind a load balancer that sends each attempt "
-                              "to the next process, the processes' slots free at different times).")
+    lend_places: bool = Field(True, description="With redis_url: a client's retry that reaches another gateway "
+                              "process than the one that holds its place claims that place (each publishes the places "
+                              "it holds for retries due soon, and lets a claimed one go); where the process it reached "
+                              "has no slot free within its budget, the holder lends it, or another process lends a "
+                              "place it expects to free within that budget (each publishes its next place), and the "
+                              "lender leaves the slot idle until the borrower's next request ends (behind a load "
+                              "balancer that sends each attempt to the next process, the processes' slots free at "
+                              "different times).")
     lend_interval_s: float = Field(0.2, gt=0, description="With lend_places: how often each process publishes its next "
-                                   "place and its loans, and reads the others'.")
+                                   "place, its loans, the places it holds and those it took, and reads the others'.")
     settle_flush_s: float = Field(0.1, gt=0, description="With lease: how often the pending token corrections "
                                   "(and spend that Redis did not take) and idle grants are sent to Redis; also on "
                                   "shutdown.")

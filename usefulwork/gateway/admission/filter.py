@@ -25,6 +25,7 @@ retries of shed requests were priced).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 from collections import Counter
@@ -36,10 +37,11 @@ from typing import TYPE_CHECKING, Any, Callable
 from usefulwork.gateway.admission.capacity import Capacity, Sample
 from usefulwork.gateway.admission.config import AdmissionCfg
 from usefulwork.gateway.admission.lease import LeasedLimits
-from usefulwork.gateway.admission.lending import PlaceLedger
+from usefulwork.gateway.admission.lending import Exchange, PlaceLedger
 from usefulwork.gateway.admission.limits import (FailoverLimits, FairShareSync, Limits, LocalLimits, RedisLimits,
                                                 StoreDown, ratelimit_headers, seconds_to_midnight, whole_left)
-from usefulwork.gateway.admission.queue import SDK_RETRY_AFTER_MAX_S, PoolQueue, Ticket, retry_after_header
+from usefulwork.gateway.admission.queue import (CLIENT_TIMEOUT_SHARE, SDK_RETRY_AFTER_MAX_S, PoolQueue, Ticket,
+                                                retry_after_header)
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -72,11 +74,12 @@ OPENAI_CODES = {"budget": ("insufficient_quota", "insufficient_quota"), "rpm": (
 NO_RETRY = (b"x-should-retry", b"false")
 # The OpenAI SDKs (Python, Node) number each attempt: 0 first, then the retries (a 429's included).
 RETRY_COUNT_HEADER = b"x-stainless-retry-count"
-# How long the client waits for its answer: the OpenAI SDKs send their read timeout in seconds on every
-# request, Envoy its route's timeout in milliseconds to the upstream. A request that cannot be answered
-# within it is shed with its Retry-After at once, not left to the client's timeout in the queue.
-CLIENT_TIMEOUT_HEADERS = ((b"x-stainless-read-timeout", 1.0), (b"x-envoy-expected-rq-timeout-ms", 1e-3))
-CLIENT_TIMEOUT_SHARE = 0.95  # of it the gateway budgets for (the client's clock started before ours)
+# How long the client waits for its answer, (header, its unit in seconds, whether it covers the whole
+# answer): the OpenAI SDKs send their read timeout in seconds on every request (it bounds the wait for the
+# first bytes: a stream's first token), Envoy its route's timeout in milliseconds to the upstream (it
+# covers the whole response, a stream's last token included). A request that cannot be answered within it
+# is shed with its Retry-After at once, not left to the client's timeout in the queue.
+CLIENT_TIMEOUT_HEADERS = ((b"x-stainless-read-timeout", 1.0, False), (b"x-envoy-expected-rq-timeout-ms", 1e-3, True))
 _MESSAGES = {
     "predicted_wait": "the {pool} pool is at capacity: this request cannot start within its deadline; retry after the given time",
     "deadline": "the {pool} pool is at capacity: this request's deadline passed while it was queued",
@@ -94,11 +97,12 @@ _MESSAGES = {
 }
 
 
-def client_timeout_s(call: Call) -> float | None:
-    """The shortest wait for its answer the client declares (``CLIENT_TIMEOUT_HEADERS``); None where it
-    declares none. A malformed, non-positive or non-finite value is ignored: a hint, not part of the API."""
-    out = None
-    for name, scale in CLIENT_TIMEOUT_HEADERS:
+def client_timeouts(call: Call) -> tuple[float | None, float | None]:
+    """The shortest waits the client declares (``CLIENT_TIMEOUT_HEADERS``), in seconds: (for its first bytes,
+    for its whole answer); None where it declares none. A malformed, non-positive or non-finite value is
+    ignored: a hint, not part of the API."""
+    out: list[float | None] = [None, None]
+    for name, scale, whole in CLIENT_TIMEOUT_HEADERS:
         raw = call.header(name)
         if raw is None:
             continue
@@ -106,9 +110,9 @@ def client_timeout_s(call: Call) -> float | None:
             v = float(raw) * scale
         except ValueError:
             continue
-        if 0.0 < v < math.inf and (out is None or v < out):
-            out = v
-    return out
+        if 0.0 < v < math.inf and (out[whole] is None or v < out[whole]):  # type: ignore[operator]
+            out[whole] = v
+    return out[0], out[1]
 
 
 def _retried(raw: bytes | None) -> int | None:
@@ -121,10 +125,17 @@ def _retried(raw: bytes | None) -> int | None:
 
 
 def _retry_key(tenant: str, raw: bytes | None, body: dict) -> Callable[[], int]:
-    """A request's retry key, computed when the queue first needs it (``Ticket.key_of``): the hash of its
-    tenant and body (a retry sends the same body, so it finds the place held for it). The body as the
-    client sent it, or, where a filter before this one changed it, re-encoded with sorted keys."""
-    return lambda: hash((tenant, raw if raw is not None else orjson.dumps(body, option=orjson.OPT_SORT_KEYS)))
+    """A request's retry key, computed when the queue first needs it (``Ticket.key_of``): a 63-bit hash of its
+    tenant and body (a retry sends the same body, so it finds the place held for it), the same in every
+    gateway process (a retry finds its place held by another: ``lending``; Python's ``hash`` is salted per
+    process). The body as the client sent it, or, where a filter before this one changed it, re-encoded
+    with sorted keys. (BLAKE2b: ~1 us a KB, paid only where places are held or a request is shed.)"""
+    def key() -> int:
+        h = hashlib.blake2b(tenant.encode(), digest_size=8)
+        h.update(b"\0")
+        h.update(raw if raw is not None else orjson.dumps(body, option=orjson.OPT_SORT_KEYS))
+        return int.from_bytes(h.digest(), "big") >> 1
+    return key
 
 
 def _error(status: int, message: str, code: str, headers: list[tuple[bytes, bytes]] | None = None,
@@ -319,9 +330,11 @@ class AdmissionFilter:
         t = Ticket(ctx.tenant, cls, float(tokens), now, now + self.deadline_s[cls], max_tokens=max_tokens,
                    key_of=_retry_key(ctx.tenant, call.raw, call.body),
                    stream=ctx.stream, retried=_retried(call.header(RETRY_COUNT_HEADER)))
-        timeout = client_timeout_s(call)
-        if timeout is not None:
-            t.gone_at = now + CLIENT_TIMEOUT_SHARE * timeout
+        read_s, whole_s = client_timeouts(call)
+        if read_s is not None:
+            t.gone_at = now + CLIENT_TIMEOUT_SHARE * read_s
+        if whole_s is not None:
+            t.done_by = now + CLIENT_TIMEOUT_SHARE * whole_s
         decision = queue.offer(t, now)
         if decision.kind == "shed" and tenant_cfg.degrade is not None:
             queue, decision = self._degrade(call, queue, t, decision, tenant_cfg.degrade, now)
@@ -604,12 +617,16 @@ class AdmissionFilter:
             now = self.clock()
             shift = now - time.time()  # (wall seconds, as the processes publish them -> this process's clock)
             at = q.next_place(now)
+            held = [(k, a - shift, since - shift, n) for k, a, since, n in q.held_places(now)]
+            took = [(k, a - shift, holder) for k, a, holder in q.took_places(now)]
             try:
-                places, owed = await self.ledger.exchange(name, at - shift if math.isfinite(at) else None,
-                                                          Counter(q.loans), now - shift)
+                x = await self.ledger.exchange(name, at - shift if math.isfinite(at) else None, Counter(q.loans),
+                                               now - shift, held, took)
             except Exception:  # noqa: BLE001 - Redis down: each process on its own slots (limits log it)
-                places, owed = [], 0
-            q.settle_places([(a + shift, p) for a, p in places], owed)
+                x = Exchange([], 0, {}, [])
+            q.settle_places([(a + shift, p) for a, p in x.places], x.owed,
+                            {k: (a + shift, since + shift, n, p) for k, (a, since, n, p) in x.held.items()},
+                            [(k, a + shift) for k, a in x.taken])
             self._dispatch(q, q.pump(self.clock()))
 
     async def stop(self) -> None:

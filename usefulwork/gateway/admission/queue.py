@@ -87,6 +87,9 @@ log = logging.getLogger("usefulwork.admission")
 DecisionKind = Literal["admit", "queue", "shed"]
 RESERVATION_GRACE_S = 2.0  # how long past its Retry-After a shed request's place is kept
 RESERVATION_LATE_S = 0.25  # a place this far past its time no longer counts ahead of a returning retry
+HELD_AHEAD_S = 2.0  # places held for retries due this soon are published to the other processes (``held_places``)
+TOOK_KEEP_S = 3.0  # how long the places taken from other processes are published (``lending.STALE_S``)
+TAKEN_MATCH_S = 0.25  # a place another process says it took is this one if their times agree this closely
 RETURN_EWMA = 0.05  # weight of one ended reservation in the return rate
 MAX_SHED_COUNT = 8  # return rates are learnt per shed count up to this (later sheds share the last)
 PLACELESS_PER_SHED = 2.0  # place-less retries priced as due now, per place this replica held for the tenant lately
@@ -96,6 +99,9 @@ OVERSHOOT = 1.1  # a queued ticket at its latest start may exceed the limit by t
 # openai-python 3.x does not retry a 429 told longer (``MAX_RETRY_AFTER_DELAY``, two minutes); older versions
 # ignored a Retry-After over 60 s and retried after their own backoff. Either way it is not back at that time.
 SDK_RETRY_AFTER_MAX_S = 120.0
+# Of the timeout a client declares (``Ticket.gone_at``, ``done_by``) the gateway budgets for this share: the
+# client's clock started before ours.
+CLIENT_TIMEOUT_SHARE = 0.95
 QUEUE_SAFETY = 0.75  # queue only when the predicted wait leaves a quarter of the budget spare (slots free in clumps)
 State = Literal["new", "queued", "admitted", "released", "shed", "cancelled"]
 
@@ -143,9 +149,14 @@ class Ticket:
     first_token_at: float | None = None  # a stream's first token was sent then (None: not yet, or unary)
     prefill_ahead: float = 0.0  # prefills pending per replica ahead of it when admitted
     low_band: bool = False  # admitted below the top band (a lower class, or its tenant over its share)
-    # The client gives up then (the timeout it declares: filter.CLIENT_TIMEOUT_HEADERS): a stream's first
-    # token, a unary answer's whole body must come before. None: it declares none.
+    # The client gives up then (the timeouts it declares: filter.CLIENT_TIMEOUT_HEADERS). ``gone_at``: a read
+    # timeout (a stream's first token, a unary answer's whole body must come before); ``done_by``: a deadline
+    # for the whole answer, a stream's last token included (Envoy's route timeout). None: it declares none.
     gone_at: float | None = None
+    done_by: float | None = None
+    # A retry whose place another gateway process holds (``PoolQueue._take_fleet_place``): (that process, the
+    # place's time); it borrows that place where this process has no slot in time.
+    place_of: tuple[str, float] | None = None
     # Computes ``key`` where it is 0, the first time the queue needs it (places are held here, or the ticket
     # is shed): hashing a 100 KB body cost ~30 us, and most requests are admitted with no place held.
     key_of: Callable[[], int] | None = None
@@ -232,6 +243,11 @@ class PoolQueue:
     owed: int = 0  # slots this process leaves idle: lent to other processes' retries, not given back yet
     loans: deque[str] = field(default_factory=deque)  # slots this process runs on loan, per lender, oldest first
     borrowed_total: int = 0
+    # The places the others hold for retries, due soon: key -> (time, promised at, shed count, process)
+    fleet_held: dict[int, tuple[float, float, int, str]] = field(default_factory=dict)
+    took: deque[tuple[int, float, str, float]] = field(default_factory=deque)  # (key, time, holder, when) taken lately
+    claimed_total: int = 0  # retries that came here for a place another process held (``_take_fleet_place``)
+    claimed_elsewhere: int = 0  # places held here whose retries went to another process, which took them
 
     @classmethod
     def from_cfg(cls, name: str, capacity: Capacity, cfg: AdmissionCfg, e2e_slo_s: float, **kw: Any) -> PoolQueue:
@@ -561,8 +577,12 @@ class PoolQueue:
             self._top_seen = now
         # (A first attempt the client numbered is not a retry: an identical request of the same tenant in
         # flight, or shed, must not give it the place held for that one's retry.)
-        held = self._take_reservation(0 if t.retried == 0 or not self._held else t.retry_key(), now,
-                                      t.tenant if t.retried else None)
+        key = t.retry_key() if t.retried != 0 and (self._held or (t.retried and self.fleet_held)) else 0
+        held = self._take_reservation(key, now)
+        if held is None and t.retried and key:
+            held = self._take_fleet_place(t, key, now)
+        if held is None and t.retried:
+            held = self._take_reservation(0, now, t.tenant)
         if held is None and t.retried:
             # A retry with no place here at all: the gateway replica that shed it holds its place (this one
             # holds none left for its tenant), or its place was let go while it waited. Its client waited
@@ -609,7 +629,7 @@ class PoolQueue:
             if self._borrow(t, now, budget):
                 return Decision("admit")
             # (where the SLO alone would have let it wait, its client's own timeout is why: it may allow more)
-            slo_ok = t.gone_at is not None and wait <= QUEUE_SAFETY * (self._slo_latest(t) - now)
+            slo_ok = _declares_timeout(t) and wait <= QUEUE_SAFETY * (self._slo_latest(t) - now)
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("admission: shed at arrival: %s", self.explain(t, now, ahead, reserved, wait, budget))
             return self._shed(t, "client_timeout" if slo_ok else "predicted_wait", wait, now)
@@ -634,13 +654,17 @@ class PoolQueue:
         has none free for seconds while another's frees within the retry's budget. Behind three real
         gateways (wall clock, seed 1) 29 of the 49 first retries shed had another process's first end
         within their budget (docs/benchmarks.md section 7, session 53). Only a retry its client numbers
-        (``x-stainless-retry-count``) borrows: it was promised a place by the fleet."""
-        if not t.retried or not self.fleet_places:
+        (``x-stainless-retry-count``) borrows: it was promised a place by the fleet. A retry that claimed the
+        place held for it at another process (``_take_fleet_place``) borrows that one first."""
+        if not t.retried:
             return False
-        at, lender = self.fleet_places[0]
-        if at - now > QUEUE_SAFETY * budget:
+        if t.place_of is not None and t.place_of[1] - now <= QUEUE_SAFETY * budget:
+            lender = t.place_of[0]  # its own place, held by the process that shed it (``_take_fleet_place``)
+        elif self.fleet_places and self.fleet_places[0][0] - now <= QUEUE_SAFETY * budget:
+            lender = self.fleet_places.pop(0)[1]  # (one retry per place: a place published once is lent once here)
+        else:
             return False
-        del self.fleet_places[0]  # (one retry per place: a place published once is lent once here)
+        t.place_of = None
         self.loans.append(lender)
         self.borrowed_total += 1
         self._admit(t, now)
@@ -658,11 +682,43 @@ class PoolQueue:
         held = round(self._reserved_until(at, after=now - RESERVATION_LATE_S))
         return at if not held else now + self._slot_free_in(position + held, now, free)
 
-    def settle_places(self, places: list[tuple[float, str]], owed: int) -> None:
-        """The last exchange of places (``lending.PlaceLedger``): the other processes' next places, and how
-        many slots other processes run on loan from this one (it leaves as many idle)."""
+    def settle_places(self, places: list[tuple[float, str]], owed: int,
+                      held: dict[int, tuple[float, float, int, str]] | None = None,
+                      taken: list[tuple[int, float]] = ()) -> None:  # type: ignore[assignment]
+        """The last exchange of places (``lending.PlaceLedger``): the other processes' next places, how many
+        slots other processes run on loan from this one (it leaves as many idle), the places they hold for
+        retries due soon (``held``), and those of this one's held places they took (``taken``: key, time):
+        their retries came to them, so they are let go here (learnt as taken back)."""
         self.fleet_places = sorted(places)
         self.owed = max(0, owed)
+        mine = {k for k, *_ in self.took}  # (taken here since the holder published: not offered twice)
+        self.fleet_held = {k: v for k, v in (held or {}).items() if k not in mine}
+        for key, at in taken:
+            h = self._held.get(key)
+            if h is not None and abs(h[0] - at) <= TAKEN_MATCH_S:
+                self._unhold(key)
+                self.reservations.remove((h[0], key))
+                self._learn_return(h[1], h[3], True)
+                self.claimed_elsewhere += 1
+
+    def held_places(self, now: float) -> list[tuple[int, float, float, int]]:
+        """The places held here for retries due by ``HELD_AHEAD_S`` from now and not let go yet: (key, time,
+        promised at, shed count), what this process publishes for a retry that reaches another one."""
+        r = self.reservations
+        out = []
+        for i in range(bisect.bisect_left(r, (now - RESERVATION_GRACE_S,)), len(r)):
+            at, key = r[i]
+            if at > now + HELD_AHEAD_S:
+                break
+            _, _, since, sheds = self._held[key]
+            out.append((key, at, since, sheds))
+        return out
+
+    def took_places(self, now: float) -> list[tuple[int, float, str]]:
+        """The other processes' places taken here within ``TOOK_KEEP_S``: (key, time, holder)."""
+        while self.took and self.took[0][3] < now - TOOK_KEEP_S:
+            self.took.popleft()
+        return [(k, at, holder) for k, at, holder, _ in self.took]
 
     def explain(self, t: Ticket, now: float, ahead: int, reserved: int, wait: float | None, budget: float) -> dict:
         """What a decision on ``t`` read: the gateway's DEBUG line for each shed at arrival (the loadtest's
@@ -681,6 +737,7 @@ class PoolQueue:
                 "tpot_terms": [r3(cap.tpot), r3(cap.tpot_full), r3(cap.live_tpot_mean),
                                r3(cap.tpot_at(cap.load_now)), r3(cap.load_now)],
                 "output_cap": out, "prefill_s": r3(cap.prefill_time()), "lent": self.owed, "on_loan": len(self.loans),
+                "place_of": t.place_of and (t.place_of[0], round(t.place_of[1] - now, 2)),
                 "fleet_places_in_s": [round(at - now, 2) for at, _ in self.fleet_places[:4]],
                 "first_ends_in_s": [round(e - now, 2) for e in self._expected_ends(hold, tpot, out)[:8]]}
 
@@ -884,6 +941,22 @@ class PoolQueue:
         self._learn_return(tenant, sheds, True)
         return at, since, sheds
 
+    def _take_fleet_place(self, t: Ticket, key: int, now: float) -> tuple[float, float, int] | None:
+        """A numbered retry with no place here whose place another gateway process holds (published at the last
+        exchange: ``fleet_held``) claims it: it is priced here as that place (its time, its turn), the holder
+        lets it go at the next exchange (``took``), and, where this process has no slot within its budget, the
+        holder lends it (``_borrow``). Its client was promised that place by the process that shed it; behind
+        a load balancer that sends each attempt to the next process it comes back elsewhere n - 1 times in n,
+        and took another client's place there (``_take_reservation``), due at another time."""
+        place = self.fleet_held.pop(key, None)
+        if place is None:
+            return None
+        at, since, sheds, holder = place
+        self.took.append((key, at, holder, now))
+        t.place_of = (holder, at)
+        self.claimed_total += 1
+        return at, since, sheds
+
     def _oldest_place(self, tenant: str) -> int:
         """The key of the place held for ``tenant`` that falls due first (0: none). Looked up through the
         per-tenant due times and a bisection, not a scan: in a long burst thousands of places are held,
@@ -1030,6 +1103,8 @@ class PoolQueue:
         latest = self._slo_latest(t)
         if t.gone_at is not None:
             latest = min(latest, t.gone_at - self._first_bytes(t))
+        if t.done_by is not None:
+            latest = min(latest, t.done_by - self.capacity.est_e2e(t.max_tokens))
         return latest
 
     def _slo_latest(self, t: Ticket) -> float:
@@ -1049,7 +1124,7 @@ class PoolQueue:
                 self._remove(t)
                 self._admit(t, now)
             else:
-                self._drop(t, "client_timeout" if t.gone_at is not None and self._slo_latest(t) > now else "deadline", now)
+                self._drop(t, "client_timeout" if _declares_timeout(t) and self._slo_latest(t) > now else "deadline", now)
         return out
 
     def _overshoot_ok(self, t: Ticket) -> bool:
@@ -1211,6 +1286,7 @@ class PoolQueue:
                 "retry_reservations": len(self.reservations), "retries_honoured": self.retries_honoured,
                 "retries_placeless": self.retries_placeless,
                 "places_borrowed": self.borrowed_total, "places_on_loan": len(self.loans), "places_lent": self.owed,
+                "places_claimed": self.claimed_total, "places_claimed_elsewhere": self.claimed_elsewhere,
                 "retries_unproven": self.retries_unproven, "retries_by_place": self.retries_by_place(),
                 "retry_return_rate": {k: round(self.return_rate(k), 3) for k in self.returns},
                 "retry_return_rate_by_shed": {
@@ -1228,6 +1304,10 @@ def _count_down(counts: dict[str, int], key: str) -> None:
         counts[key] = n
     else:
         counts.pop(key, None)
+
+
+def _declares_timeout(t: Ticket) -> bool:
+    return t.gone_at is not None or t.done_by is not None
 
 
 def _asked(t: Ticket) -> float:
