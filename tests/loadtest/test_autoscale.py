@@ -299,14 +299,17 @@ def test_first_retries_are_admitted_on_the_recorded_cpu_vllm_replicas():
     """The burst-retry cell on four recorded real runs' CPU vLLM replicas (sessions 27, 29, 35 and 43's
     hosts), seeds 1-6 each: a slot is held 10-20 s there, so no held place ends before the whole first
     wave of sheds is told its Retry-After, priced on the return prior alone. The retrying clients number
-    their attempts (an SDK that retries by default): their places count in full, and at least 80% of first
-    retries are admitted on every host. At half (the prior for clients that do not say), 57-72%.
+    their attempts (an SDK that retries by default): their places count in full, and at least 80% of the
+    first retries that could still be answered in time are admitted on every host. At half (the prior for
+    clients that do not say), 57-72%.
 
-    The clients declare the time they have left (their 30 s counts from the first send), so a retry whose
-    answer could not end before its client gives up is shed with ``client_timeout`` (s43's replica: 8 of
-    89 first retries; 6 of them had been admitted and then timed out before the clients declared it).
-    Those are not counted: no admission could answer them in time. (Counted, s43: 69 of 89, 77.5%; before
-    the declaration 75 of 91 were admitted, 57 of them answered after their client left.)"""
+    The clients declare the time they have left (their 30 s counts from the first send). A retry that
+    comes back with too little of it left for even a quick answer (its prefill, and its decode at the load
+    now) is shed with ``client_timeout``, at a free slot too, and not counted here: no admission could
+    answer it in time. Most retries there are such (s43: 63 of 88 first retries; counted, 21 of 88 are
+    admitted). Until session 54 they were admitted, and answered after their clients had left: 57 of the
+    75 first retries admitted on s43's replica. Now none is, and more requests are served within their
+    clients' time on every host (s43: 108 -> 114 of the cell's requests)."""
     import json
     from pathlib import Path
 
@@ -318,8 +321,8 @@ def test_first_retries_are_admitted_on_the_recorded_cpu_vllm_replicas():
         cells = [av.probed_retry_cell(seed, results) for seed in range(1, 7)]
         first = sum(c["first_retries"] - c["first_retry_client_timeout"] for c in cells)
         admitted = sum(c["admitted_on_first_retry"] for c in cells)
-        assert first > 40 and admitted / first >= 0.8, (host, admitted, first)
-        assert sum(c["first_retry_client_timeout"] for c in cells) <= 0.1 * first
+        assert first > 20 and admitted / first >= 0.8, (host, admitted, first)
+        assert sum(c["admitted_then_timed_out"] for c in cells) == 0
 
 
 def test_a_gateway_restarted_beside_a_full_replica_prices_its_slots_at_what_requests_take_now():

@@ -206,7 +206,10 @@ def verdicts(exp, cells: list[dict[str, Any]]) -> dict[str, Any]:
                                                        and x["outcomes"] == "timeout"),
                         # shed on the first retry because its client's declared deadline (the time it had left)
                         # could not be met: no admission could have answered it in time
-                        "shed_for_client_timeout": sum(1 for x in retried if x.get("first_retry_reason") == "client_timeout"),
+                        "shed_for_client_timeout": (timed := sum(1 for x in retried
+                                                                  if x.get("first_retry_reason") == "client_timeout")),
+                        # the share of the first retries that could still be answered in time that were admitted
+                        "fraction_answerable": admitted / (len(retried) - timed) if len(retried) > timed else None,
                         "good_of_retried": sum(1 for x in retried if x["good"]),
                         "final": {o: sum(1 for x in rows if x["outcomes"] == o) for o in ("ok", "shed", "timeout", "error")}}
         checks["retry_first_ge_80pct"] = bool(retried) and admitted / len(retried) >= 0.80

@@ -2050,3 +2050,25 @@ def test_a_retry_reaching_another_gateway_claims_the_place_held_for_it_there_and
     assert h.held_places(at) == [] and not h.reservations and h.stats(at)["places_claimed_elsewhere"] == 1
     assert h.returns["a"] == (1.0, 1.0)  # learnt: its client came back
     assert h.slot_free(0) == -1  # (its own request runs, and it leaves the lent slot idle)
+
+
+def test_a_free_slot_is_not_given_to_a_request_whose_client_leaves_before_even_a_quick_answer():
+    """A free slot, but the client declares it gives up sooner than even a quick answer could come (its
+    prefill, and its decode at the speed of the load now): shed at once with ``client_timeout`` and a
+    Retry-After, not served to nobody. Nothing is known of the service yet: admitted (a hint, fail-open)."""
+    q = make_queue(limit=2, service_s=1.0)
+    t = ticket(0.0)
+    t.done_by = 0.5
+    assert q.offer(t, 0.0).kind == "admit"  # (no prefill time nor decode speed measured: admitted)
+    q.capacity.prefill_each, q.capacity.tpot = 0.2, 0.01  # a quick answer: 0.2 s + 127 x 10 ms = 1.47 s
+    for gone_at, done_by, stream, kind in ((None, 1.0, True, "shed"), (None, 2.0, True, "admit"),
+                                           (0.1, None, True, "shed"), (0.5, None, True, "admit"),
+                                           (1.0, None, False, "shed")):
+        q = make_queue(limit=2, service_s=1.0)
+        q.capacity.prefill_each, q.capacity.tpot = 0.2, 0.01
+        t = Ticket("a", 0, 640.0, 0.0, 2.0, max_tokens=128)
+        t.gone_at, t.done_by, t.stream, t.key = gone_at, done_by, stream, 7
+        d = q.offer(t, 0.0)
+        assert d.kind == kind, (gone_at, done_by, stream, d)
+        if kind == "shed":
+            assert d.reason == "client_timeout" and d.retry_after_s > 0

@@ -617,6 +617,8 @@ class PoolQueue:
         ahead = self.ahead_of(t)
         wait = self._place_wait(ahead + reserved + 1, t, now)  # (``predict_wait``, ``ahead`` counted once)
         if wait == 0.0 and ahead == 0:
+            if _declares_timeout(t) and self._gone_before_answer(t, now):
+                return self._shed(t, "client_timeout", 0.0, now)
             self._admit(t, now)
             return Decision("admit")
         if budget is None:
@@ -1106,6 +1108,17 @@ class PoolQueue:
         if t.done_by is not None:
             latest = min(latest, t.done_by - self.capacity.est_e2e(t.max_tokens))
         return latest
+
+    def _gone_before_answer(self, t: Ticket, now: float) -> bool:
+        """Whether ``t``'s client gives up (the timeouts it declares) before even a quick answer could come:
+        its prompt's prefill alone, and its decode at the speed of the load now (not the full pool's)."""
+        cap = self.capacity
+        prefill = cap.prefill_time() or 0.0
+        tpot = cap.tpot_at(cap.load_now) or cap.live_tpot_mean or cap.tpot
+        decode = decode_time(tpot, cap._output_cap(), t.max_tokens) or 0.0
+        first = prefill if t.stream else prefill + decode
+        return ((t.gone_at is not None and now + first > t.gone_at)
+                or (t.done_by is not None and now + prefill + decode > t.done_by))
 
     def _slo_latest(self, t: Ticket) -> float:
         latest = t.deadline - self.est_ttft(t.cls, t.tenant)
