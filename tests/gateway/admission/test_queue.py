@@ -1949,6 +1949,22 @@ def test_a_shed_at_arrival_logs_what_its_decision_read_at_debug(caplog: pytest.L
     assert not caplog.records
 
 
+def test_a_ticket_dropped_from_the_queue_logs_the_wait_it_was_promised_at_debug(caplog: pytest.LogCaptureFixture):
+    """A queued ticket dropped at its latest start logs what the queue reads then and the wait it predicted
+    when the ticket queued (session 54's real run had one such drop, 1.42 s after arrival, and no record
+    of why)."""
+    q = make_queue(limit=1, service_s=1.0)
+    assert q.offer(ticket(0.0), 0.0).kind == "admit"
+    late = ticket(0.0)
+    assert q.offer(late, 0.0).kind == "queue" and late.queued_wait_s is not None
+    with caplog.at_level("DEBUG", logger="usefulwork.admission"):
+        assert q.expire(1.9) == [late] and late.shed_reason == "deadline"
+    (line,) = [r.getMessage() for r in caplog.records if "dropped from the queue" in r.getMessage()]
+    for key in ("'reason': 'deadline'", "'queued_s': 1.9", f"'queued_wait_s': {round(late.queued_wait_s, 3)}",
+                "'inflight': 1", "'first_ends_in_s'"):
+        assert key in line, line
+
+
 def test_a_retry_with_no_slot_near_borrows_a_place_another_gateway_frees_within_its_budget():
     """Behind a round-robin load balancer a retry reaches a gateway process whose slots were refilled in one
     clump while another's next slot frees within the retry's budget (lending.PlaceLedger publishes it): the

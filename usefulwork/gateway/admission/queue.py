@@ -157,6 +157,7 @@ class Ticket:
     # A retry whose place another gateway process holds (``PoolQueue._take_fleet_place``): (that process, the
     # place's time); it borrows that place where this process has no slot in time.
     place_of: tuple[str, float] | None = None
+    queued_wait_s: float | None = None  # queued: the wait predicted then (a drop's DEBUG line reports it)
     # Computes ``key`` where it is 0, the first time the queue needs it (places are held here, or the ticket
     # is shed): hashing a 100 KB body cost ~30 us, and most requests are admitted with no place held.
     key_of: Callable[[], int] | None = None
@@ -635,6 +636,7 @@ class PoolQueue:
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("admission: shed at arrival: %s", self.explain(t, now, ahead, reserved, wait, budget))
             return self._shed(t, "client_timeout" if slo_ok else "predicted_wait", wait, now)
+        t.queued_wait_s = wait
         self._enqueue(t)
         woken = self.pump(now)  # slots may be free (the prediction counted held places as work ahead)
         if t.state == "admitted":
@@ -1171,6 +1173,11 @@ class PoolQueue:
         as a shed at arrival gets. (With the queue's length over the drain rate and no place held, the
         burst-retry cell's 12 clients dropped at their latest start were told 0.59 s, came back into the
         same full pool, and every one was shed again on its first retry.)"""
+        if log.isEnabledFor(logging.DEBUG):  # (what it read now, and the wait it was promised when it queued)
+            info = self.explain(t, now, self.ahead_of(t), 0, self.predict_wait(t, now), self.budget(t, now))
+            info.update(reason=reason, queued_s=round(now - t.arrival, 3),
+                        queued_wait_s=None if t.queued_wait_s is None else round(t.queued_wait_s, 3))
+            log.debug("admission: dropped from the queue: %s", info)
         self._remove(t)
         self._mark_shed(t, reason, now)
 
