@@ -658,50 +658,61 @@ def test_two_replicas_settle_a_retrys_return_through_redis(redis_url):
     asyncio.run(go())
 
 
-def test_two_replicas_lend_a_place_through_redis(redis_url):
-    """Replica A's slots are all young; replica B has a slot free beyond its tenant headroom (which is never
-    lent). Through their exchanges (the real Redis) A learns B's place, a client's retry reaching A takes
-    it, and B then leaves that slot idle until A's next request ends and gives it back. Without
-    ``lend_places`` nothing is lent."""
+def run_two_replicas(redis_url: str, adm: dict, body) -> None:
+    """Two admission filters (gateway replicas) sharing the real Redis under a fresh key prefix, each pool's
+    slot held 3 s (first token 0.1 s): runs ``await body(fa, fb, qa, qb)``, then stops both and drops the keys."""
     import uuid
 
-    from usefulwork.gateway.admission.queue import Ticket
-
-    adm = {"redis_url": redis_url, "redis_prefix": f"uwtest:{uuid.uuid4().hex}", "initial_concurrency": 2}
-    cfg = make_cfg(admission=adm)
-    fa, fb = make_filter(cfg), make_filter(cfg)
+    adm = {"redis_url": redis_url, "redis_prefix": f"uwtest:{uuid.uuid4().hex}", **adm}
+    fa, fb = make_filter(make_cfg(admission=adm)), make_filter(make_cfg(admission=adm))
     qa, qb = fa.queue_for(make_call(fa)), fb.queue_for(make_call(fb))
-    assert fa.ledger is not None and make_filter(make_cfg(admission={**adm, "lend_places": False})).ledger is None
     for q in (qa, qb):
         q.capacity.service, q.capacity.svc_ttft = 3.0, 0.1
 
     async def go():
         try:
-            now = fa.clock()
-            first = [Ticket("acme", 0, 100.0, now, now + 2.0) for _ in range(2)]
-            assert [qa.offer(t, now).kind for t in first] == ["admit", "admit"]  # A is full for ~3 s
-            assert qb.next_place(now) == now  # B: two slots free, one of them its headroom
-            await fb.lend_once()  # B publishes its place
-            await fa.lend_once()
-            assert [p for _, p in qa.fleet_places] == [fb.ledger.me]
-            now = fa.clock()
-            assert qa.offer(Ticket("acme", 0, 100.0, now, now + 0.6, retried=0), now).kind == "shed"
-            assert qa.offer(Ticket("acme", 0, 100.0, now, now + 0.6, retried=1), now).kind == "admit"
-            await fa.lend_once()
-            await fb.lend_once()
-            assert qb.owed == 1 and qb.slot_free(0) == 1  # B's lendable slot is A's retry's now
-            assert qb.next_place(fb.clock()) == math.inf  # (nothing more to lend: only the headroom is free)
-            qa.release(first[0], fa.clock())  # A's next end gives it back
-            await fa.lend_once()
-            await fb.lend_once()
-            assert qb.owed == 0 and qb.slot_free(0) == 2
-            assert fa.stats()["pools"]["p"]["places_borrowed"] == 1
+            await body(fa, fb, qa, qb)
         finally:
             await fa.stop()
             await fb.stop()
             drop_redis_keys(redis_url, adm["redis_prefix"])
 
     asyncio.run(go())
+
+
+def test_two_replicas_lend_a_place_through_redis(redis_url):
+    """Replica A's slots are all young; replica B has a slot free beyond its tenant headroom (which is never
+    lent). Through their exchanges (the real Redis) A learns B's place, a client's retry reaching A takes
+    it, and B then leaves that slot idle until A's next request ends and gives it back. Without
+    ``lend_places`` nothing is lent."""
+    from usefulwork.gateway.admission.queue import Ticket
+
+    adm = {"redis_url": redis_url, "initial_concurrency": 2}
+    assert make_filter(make_cfg(admission={**adm, "lend_places": False})).ledger is None
+
+    async def body(fa, fb, qa, qb):
+        assert fa.ledger is not None
+        now = fa.clock()
+        first = [Ticket("acme", 0, 100.0, now, now + 2.0) for _ in range(2)]
+        assert [qa.offer(t, now).kind for t in first] == ["admit", "admit"]  # A is full for ~3 s
+        assert qb.next_place(now) == now  # B: two slots free, one of them its headroom
+        await fb.lend_once()  # B publishes its place
+        await fa.lend_once()
+        assert [p for _, p in qa.fleet_places] == [fb.ledger.me]
+        now = fa.clock()
+        assert qa.offer(Ticket("acme", 0, 100.0, now, now + 0.6, retried=0), now).kind == "shed"
+        assert qa.offer(Ticket("acme", 0, 100.0, now, now + 0.6, retried=1), now).kind == "admit"
+        await fa.lend_once()
+        await fb.lend_once()
+        assert qb.owed == 1 and qb.slot_free(0) == 1  # B's lendable slot is A's retry's now
+        assert qb.next_place(fb.clock()) == math.inf  # (nothing more to lend: only the headroom is free)
+        qa.release(first[0], fa.clock())  # A's next end gives it back
+        await fa.lend_once()
+        await fb.lend_once()
+        assert qb.owed == 0 and qb.slot_free(0) == 2
+        assert fa.stats()["pools"]["p"]["places_borrowed"] == 1
+
+    run_two_replicas(redis_url, adm, body)
 
 
 def test_a_retry_reaching_another_replica_claims_the_place_held_for_it_through_redis(redis_url, monkeypatch):
@@ -709,45 +720,32 @@ def test_a_retry_reaching_another_replica_claims_the_place_held_for_it_through_r
     longer than the retry may wait. Through their exchanges (the real Redis) B knows A's held place by the
     request's key, the retry claims it and runs on it as A's loan, and A lets the place go (learnt as taken
     back) and leaves one slot idle until B's next request ends."""
-    import uuid
-
     from usefulwork.gateway.admission import filter as filter_module, queue as queue_module
     from usefulwork.gateway.admission.queue import Ticket
 
     monkeypatch.setattr(queue_module, "HELD_AHEAD_S", 60.0)  # (publish the place now, not 2 s before it is due)
-    adm = {"redis_url": redis_url, "redis_prefix": f"uwtest:{uuid.uuid4().hex}", "initial_concurrency": 1,
-           "tenant_headroom": 0.0}
-    fa, fb = make_filter(make_cfg(admission=adm)), make_filter(make_cfg(admission=adm))
-    qa, qb = fa.queue_for(make_call(fa)), fb.queue_for(make_call(fb))
-    for q in (qa, qb):
-        q.capacity.service, q.capacity.svc_ttft = 3.0, 0.1
     key_of = filter_module._retry_key("acme", b'{"model": "m", "messages": []}', {})
 
-    async def go():
-        try:
-            now = fa.clock()
-            assert qa.offer(Ticket("acme", 0, 100.0, now, now + 2.0), now).kind == "admit"  # A is full for ~3 s
-            shed = Ticket("acme", 0, 100.0, now, now + 0.6, retried=0, key_of=key_of)
-            assert qa.offer(shed, now).kind == "shed"
-            at = now + shed.retry_after_s
-            assert qb.offer(Ticket("acme", 0, 100.0, at - 0.5, at + 2.0), at - 0.5).kind == "admit"  # B: ~at + 2.5
-            await fa.lend_once()
-            await fb.lend_once()
-            assert list(qb.fleet_held) == [key_of()]
-            retry = Ticket("acme", 0, 100.0, at, at + 0.6, retried=1, key_of=key_of)
-            assert qb.offer(retry, at).kind == "admit" and list(qb.loans) == [fa.ledger.me]
-            await fb.lend_once()
-            await fa.lend_once()
-            assert qa.held_places(fa.clock()) == [] and qa.owed == 1 and qa.slot_free(0) == -1
-            pa = fa.stats()["pools"]["p"]
-            assert pa["places_claimed_elsewhere"] == 1 and pa["retry_reservations"] == 0
-            assert fb.stats()["pools"]["p"]["places_claimed"] == 1
-        finally:
-            await fa.stop()
-            await fb.stop()
-            drop_redis_keys(redis_url, adm["redis_prefix"])
+    async def body(fa, fb, qa, qb):
+        now = fa.clock()
+        assert qa.offer(Ticket("acme", 0, 100.0, now, now + 2.0), now).kind == "admit"  # A is full for ~3 s
+        shed = Ticket("acme", 0, 100.0, now, now + 0.6, retried=0, key_of=key_of)
+        assert qa.offer(shed, now).kind == "shed"
+        at = now + shed.retry_after_s
+        assert qb.offer(Ticket("acme", 0, 100.0, at - 0.5, at + 2.0), at - 0.5).kind == "admit"  # B: ~at + 2.5
+        await fa.lend_once()
+        await fb.lend_once()
+        assert list(qb.fleet_held) == [key_of()]
+        retry = Ticket("acme", 0, 100.0, at, at + 0.6, retried=1, key_of=key_of)
+        assert qb.offer(retry, at).kind == "admit" and list(qb.loans) == [fa.ledger.me]
+        await fb.lend_once()
+        await fa.lend_once()
+        assert qa.held_places(fa.clock()) == [] and qa.owed == 1 and qa.slot_free(0) == -1
+        pa = fa.stats()["pools"]["p"]
+        assert pa["places_claimed_elsewhere"] == 1 and pa["retry_reservations"] == 0
+        assert fb.stats()["pools"]["p"]["places_claimed"] == 1
 
-    asyncio.run(go())
+    run_two_replicas(redis_url, {"initial_concurrency": 1, "tenant_headroom": 0.0}, body)
 
 
 def test_a_requests_retry_key_is_the_same_in_every_gateway_process():

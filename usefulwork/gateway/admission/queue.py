@@ -700,8 +700,7 @@ class PoolQueue:
         for key, at in taken:
             h = self._held.get(key)
             if h is not None and abs(h[0] - at) <= TAKEN_MATCH_S:
-                self._unhold(key)
-                self.reservations.remove((h[0], key))
+                self._let_go(key)
                 self._learn_return(h[1], h[3], True)
                 self.claimed_elsewhere += 1
 
@@ -897,6 +896,13 @@ class PoolQueue:
                     del table[k]
         return held
 
+    def _let_go(self, key: int) -> tuple[float, str, float, int] | None:
+        """Unhold ``key``'s place and take it off the reservations (``_prune`` lets expired ones go in bulk)."""
+        held = self._unhold(key)
+        if held is not None:
+            self.reservations.remove((held[0], key))
+        return held
+
     def _prune(self, now: float) -> None:
         r = self.reservations
         i = 0
@@ -913,9 +919,7 @@ class PoolQueue:
     def _reserve(self, at: float, key: int, tenant: str, since: float, sheds: int = 1) -> None:
         """Hold a place at ``at`` for the retry of ``key``, promised at ``since`` after its ``sheds``-th shed."""
         self._placeless_grant(tenant, since, PLACELESS_PER_SHED)
-        old = self._unhold(key)
-        if old is not None:
-            self.reservations.remove((old[0], key))
+        self._let_go(key)
         self._held[key] = (at, tenant, since, sheds)
         bisect.insort(self._held_by.setdefault((tenant, sheds), []), at)
         bisect.insort(self._promised_at.setdefault((tenant, sheds), []), since)
@@ -933,14 +937,13 @@ class PoolQueue:
         the next: 41.9% of first retries admitted (84.2% behind one, 83.2% behind three with each
         client's attempts kept on one gateway; docs/benchmarks.md section 7, session 36)."""
         self._prune(now)
-        held = self._unhold(key) if key else None
+        held = self._let_go(key) if key else None
         if held is None and tenant is not None:
             key = self._oldest_place(tenant)
-            held = self._unhold(key) if key else None
+            held = self._let_go(key) if key else None
         if held is None:
             return None
         at, tenant, since, sheds = held
-        self.reservations.remove((at, key))
         self.retries_honoured += 1
         self._learn_return(tenant, sheds, True)
         return at, since, sheds
@@ -1114,10 +1117,8 @@ class PoolQueue:
     def _gone_before_answer(self, t: Ticket, now: float) -> bool:
         """Whether ``t``'s client gives up (the timeouts it declares) before even a quick answer could come:
         its prompt's prefill alone, and its decode at the speed of the load now (not the full pool's)."""
-        cap = self.capacity
-        prefill = cap.prefill_time() or 0.0
-        tpot = cap.tpot_at(cap.load_now) or cap.live_tpot_mean or cap.tpot
-        decode = decode_time(tpot, cap._output_cap(), t.max_tokens) or 0.0
+        prefill = self.capacity.prefill_time() or 0.0
+        decode = self.capacity.quick_decode(t.max_tokens) or 0.0
         first = prefill if t.stream else prefill + decode
         return ((t.gone_at is not None and now + first > t.gone_at)
                 or (t.done_by is not None and now + prefill + decode > t.done_by))
