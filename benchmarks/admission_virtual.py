@@ -470,6 +470,9 @@ def _retrying_figures(reqs: list[Any], slo: Any) -> dict[str, Any]:
             "admitted_on_first_retry": sum(1 for r in retried if r.first_retry == "admitted"),
             # (shed because its client's declared deadline, the time it had left, could not be met)
             "first_retry_client_timeout": sum(1 for r in retried if r.first_retry_reason == "client_timeout"),
+            # (shed on the first attempt and told not to retry: no retry could end within its client's deadline)
+            "told_not_to_retry": sum(1 for r in reqs if r.outcome == "shed" and r.attempts == 1
+                                     and r.ticket is not None and r.ticket.final),
             "attainment_served": ok / len(served) if served else None}
 
 

@@ -9,7 +9,7 @@ import time
 import httpx
 
 from usefulwork.loadtest.admission import _throughput, _throughput_until, burst_figures, jain, per_request
-from usefulwork.loadtest.client import send
+from usefulwork.loadtest.client import DEADLINE_HEADER, send
 from usefulwork.loadtest.metrics import SLOSpec
 from usefulwork.loadtest.workloads import RequestSpec
 
@@ -23,7 +23,7 @@ def run_send(responses: list[httpx.Response], honor: bool, declared: list[int] |
     def handler(request: httpx.Request) -> httpx.Response:
         seen.append(time.perf_counter())
         if declared is not None:
-            declared.append(int(request.headers["x-envoy-expected-rq-timeout-ms"]))
+            declared.append(int(request.headers[DEADLINE_HEADER]))
         return responses[min(len(seen) - 1, len(responses) - 1)]
 
     async def go():
@@ -72,6 +72,10 @@ def test_client_does_not_wait_out_a_429_that_says_not_to_retry():
                             json={"error": {}})
     res, seen = run_send([budget, httpx.Response(200, content=SSE)], honor=True)
     assert (res.outcome, res.retries, len(seen), res.shed_reason) == ("shed", 0, 1, "budget")
+    slo = SLOSpec.from_mapping({"ttft_ms": 2000, "tpot_ms": 100, "e2e_ms": 5000, "attainment": 0.95})
+    assert per_request([res], slo, 1.0)["told_not_to_retry"] == [True]  # (results count it apart)
+    res, _ = run_send([shed(10), httpx.Response(200, content=SSE)], honor=True)
+    assert per_request([res], slo, 1.0)["told_not_to_retry"] == [False]
 
 
 def test_burst_figures_and_jain():

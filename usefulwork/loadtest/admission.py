@@ -40,6 +40,7 @@ def per_request(results: Sequence[RequestResult], slo: SLOSpec, time_scale: floa
         "retry_after_s": [r.retry_after_s for r in results],
         "shed_wall_s": [r.shed_s / time_scale for r in results],
         "shed_reason": [r.shed_reason for r in results],
+        "told_not_to_retry": [r.final and r.retries == 0 and r.outcome == "shed" for r in results],
         "wasted_chunks": [r.chunks if r.outcome != "ok" else 0 for r in results],
     }
 
@@ -211,6 +212,9 @@ def verdicts(exp, cells: list[dict[str, Any]]) -> dict[str, Any]:
                         # the share of the first retries that could still be answered in time that were admitted
                         "fraction_answerable": admitted / (len(retried) - timed) if len(retried) > timed else None,
                         "good_of_retried": sum(1 for x in retried if x["good"]),
+                        # shed on the first attempt with x-should-retry: false (no retry could end within the
+                        # deadline its client declared for all attempts): not retried, so not counted above
+                        "told_not_to_retry": sum(1 for x in rows if x.get("told_not_to_retry")),
                         "final": {o: sum(1 for x in rows if x["outcomes"] == o) for o in ("ok", "shed", "timeout", "error")}}
         checks["retry_first_ge_80pct"] = bool(retried) and admitted / len(retried) >= 0.80
 

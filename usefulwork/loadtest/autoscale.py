@@ -312,7 +312,7 @@ class Simulation:
         # (the OpenAI SDK numbers its attempts: x-stainless-retry-count; a client that never retries, as the
         # loadtest's that does not honour Retry-After, does not)
         if self.client.from_first_send:  # (the loadtest's client declares the time it has left on every attempt)
-            t.done_by = self.now + CLIENT_TIMEOUT_SHARE * (req.t0 + self.client.timeout_s - self.now)
+            t.done_by = t.give_up_at = self.now + CLIENT_TIMEOUT_SHARE * (req.t0 + self.client.timeout_s - self.now)
         t.waiter = req
         req.ticket = t
         d = self.queue.offer(t, self.now)
@@ -341,7 +341,8 @@ class Simulation:
             req.first_retry = "shed"
             req.first_retry_reason = (req.ticket.shed_reason if req.ticket is not None else None) or ""
         retries = self._retries(req)
-        if req.attempts <= retries and retry_after_s <= self.client.max_retry_after_s:
+        final = req.ticket is not None and req.ticket.final  # (x-should-retry: false: the SDKs do not retry)
+        if req.attempts <= retries and retry_after_s <= self.client.max_retry_after_s and not final:
             if self.client.from_first_send and self.now + retry_after_s >= req.t0 + self.client.timeout_s:
                 self._end(req, "timeout")  # its client sleeps out the Retry-After past its own timeout
             else:

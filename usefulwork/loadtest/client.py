@@ -167,9 +167,10 @@ def finish_stream(res: RequestResult, done: bool) -> None:
         res.output_tokens = res.chunks  # best effort: one token per chunk
 
 
-# The time left for the whole answer, in milliseconds, on every attempt: Envoy's name for the route timeout it
-# declares upstream (the gateway's admission reads it: filter.CLIENT_TIMEOUT_HEADERS).
-DEADLINE_HEADER = "x-envoy-expected-rq-timeout-ms"
+# The time left for the whole answer, its retries included, in milliseconds, on every attempt (the gateway's
+# admission reads it: filter.CLIENT_TIMEOUT_HEADERS; a shed whose retry could not be answered in it is told
+# ``x-should-retry: false``, and the client stops there instead of retrying into its own timeout).
+DEADLINE_HEADER = "x-usefulwork-deadline-ms"
 
 
 def retry_after(headers: httpx.Headers) -> float | None:
@@ -204,9 +205,10 @@ async def send(client: httpx.AsyncClient, base_url: str, spec: RequestSpec, mode
     (as the OpenAI SDKs obey it: a spent budget is not waited out until midnight); TTFT and E2EL then
     count from the first send, as the user lives them.
 
-    Every attempt declares the time the client has left for the whole answer (``DEADLINE_HEADER``: its
-    timeout less the time since its first send), as Envoy declares its route's timeout upstream: a gateway
-    that reads it sheds an attempt that cannot end in time instead of serving an answer nobody waits for.
+    Every attempt declares the time the client has left for the whole answer, its retries included
+    (``DEADLINE_HEADER``: its timeout less the time since its first send): a gateway that reads it sheds an
+    attempt that cannot end in time instead of serving an answer nobody waits for, and says when a retry
+    could not end in time either (``x-should-retry: false``).
     """
     res = RequestResult(index=spec.index, kind=spec.kind, planned=planned, planned_input_tokens=spec.input_tokens,
                         group=group, text=[] if keep_text else None)

@@ -136,10 +136,12 @@ def test_an_sdk_client_that_gives_up_sooner_than_the_slo_gets_a_rate_limit_error
 
 
 def test_the_loadtest_client_declares_the_time_it_has_left_and_is_shed_not_timed_out(sim, tmp_path):
-    """The loadtest client declares, on every attempt, the time it has left for the whole answer (Envoy's
-    ``x-envoy-expected-rq-timeout-ms``). One slot held for seconds, a 20 s TTFT SLO: its request with 1.5 s
-    left is shed at once (``client_timeout``, with a Retry-After); the same request without the header
-    queues past the client's 1.5 s (it would have been served after its client left)."""
+    """The loadtest client declares, on every attempt, the time it has left for the whole answer, its
+    retries included (``x-usefulwork-deadline-ms``). One slot held for seconds, a 20 s TTFT SLO: its request
+    with 1.5 s left is shed at once (``client_timeout``, with a Retry-After) and told not to retry
+    (``x-should-retry: false``: no retry could end in its 1.5 s), so the client, which honours Retry-After,
+    stops there; the same request without the header queues past the client's 1.5 s (it would have been
+    served after its client left)."""
     gw = gateway(sim, tmp_path, slo={"ttft_ms": 20000, "e2e_ms": 60000},
                  admission={"initial_concurrency": 1, "max_concurrency": 1})
     try:
@@ -153,7 +155,8 @@ def test_the_loadtest_client_declares_the_time_it_has_left_and_is_shed_not_timed
             task = asyncio.ensure_future(asyncio.to_thread(patient.completions.create, **long))
             await asyncio.sleep(0.3)
             async with httpx.AsyncClient(timeout=None) as c:
-                res = await send(c, gw.base_url, spec, MODEL, timeout_s=1.5, clock0=time.perf_counter(), planned=0.0)
+                res = await send(c, gw.base_url, spec, MODEL, timeout_s=1.5, clock0=time.perf_counter(), planned=0.0,
+                                 honor_retry_after=True)
                 t0 = time.monotonic()
                 try:
                     await c.post(url + "/completions", json=spec.body(MODEL), timeout=1.5)
@@ -167,6 +170,7 @@ def test_the_loadtest_client_declares_the_time_it_has_left_and_is_shed_not_timed
         res, undeclared, waited = asyncio.run(run())
         assert (res.outcome, res.status, res.shed_reason) == ("shed", 429, "client_timeout")
         assert res.shed_s < 0.5 and res.retry_after_s > 0
+        assert res.final and res.retries == 0 and res.end - res.sent < 0.5  # (told not to retry: it did not)
         assert undeclared == "timed out" and waited >= 1.4
     finally:
         gw.stop()

@@ -329,16 +329,21 @@ def test_a_queued_request_is_answered_429_before_the_timeout_its_client_declares
     5 s deadline after its client left."""
     f = make_filter(make_cfg(admission={"initial_concurrency": 1, "max_concurrency": 1}, slo={"ttft_ms": 5000}))
 
-    def declared(*headers: tuple[bytes, bytes]) -> tuple[float | None, float | None]:
+    def declared(*headers: tuple[bytes, bytes]) -> tuple[float | None, float | None, float | None]:
         call = make_call(f)
         call.headers.extend(headers)
         return client_timeouts(call)
 
-    assert declared() == (None, None) and declared((b"x-stainless-read-timeout", b"600.0")) == (600.0, None)
-    # (the SDK's read timeout bounds the first bytes; Envoy's route timeout the whole answer)
-    assert declared((b"x-stainless-read-timeout", b"30"), (b"x-envoy-expected-rq-timeout-ms", b"15000")) == (30.0, 15.0)
+    assert declared() == (None, None, None)
+    assert declared((b"x-stainless-read-timeout", b"600.0")) == (600.0, None, None)
+    # (the SDK's read timeout bounds the first bytes; Envoy's route timeout the whole answer; the client's
+    # deadline for all its attempts the whole answer too, and its retries)
+    assert declared((b"x-stainless-read-timeout", b"30"), (b"x-envoy-expected-rq-timeout-ms", b"15000")) == (30.0, 15.0, None)
+    assert declared((b"x-envoy-expected-rq-timeout-ms", b"15000"), (b"x-usefulwork-deadline-ms", b"20000")) == (None, 15.0, 20.0)
+    assert declared((b"x-envoy-expected-rq-timeout-ms", b"15000"), (b"x-usefulwork-deadline-ms", b"9000")) == (None, 9.0, 9.0)
     for bad in (b"soon", b"-1", b"0", b"inf", b"nan"):  # (a hint: ignored, not a 400)
-        assert declared((b"x-stainless-read-timeout", bad), (b"x-envoy-expected-rq-timeout-ms", bad)) == (None, None)
+        assert declared((b"x-stainless-read-timeout", bad), (b"x-envoy-expected-rq-timeout-ms", bad),
+                        (b"x-usefulwork-deadline-ms", bad)) == (None, None, None)
 
     call = make_call(f)
     call.headers.append((b"x-stainless-read-timeout", b"2.0"))
@@ -347,6 +352,41 @@ def test_a_queued_request_is_answered_429_before_the_timeout_its_client_declares
     assert "timeout its client declared" in orjson.loads(reply.body)["error"]["message"]
     assert int(reply.header(b"retry-after-ms")) > 0
     assert 1.5 <= waited < 2.0
+
+
+def test_a_client_whose_deadline_for_all_attempts_a_retry_cannot_meet_is_told_not_to_retry():
+    """A full pool whose one slot frees in about 10 s. A client declaring 5 s left for its answer, retries
+    included (``x-usefulwork-deadline-ms``), is answered 429 ``client_timeout`` with ``x-should-retry:
+    false`` (the OpenAI SDKs obey it) and a message that says why; no place is held for its retry. The same
+    5 s as Envoy's per-attempt route timeout: a retry would get a fresh one, so it is told when to retry
+    (a place held for it), and not told to stop."""
+    f = make_filter(make_cfg(admission={"initial_concurrency": 1, "max_concurrency": 1}))
+
+    async def go():
+        be = Backend(hold=True)
+        first = asyncio.create_task(f(make_call(f), be))
+        await asyncio.sleep(0.01)
+        q = f.queues["p"]
+        q.capacity.service, q.capacity.svc_ttft = 10.0, 0.1
+        q.capacity.prefill_each, q.capacity.tpot = 0.2, 0.01
+        q.return_prior = 1.0
+        replies = []
+        for name in (b"x-usefulwork-deadline-ms", b"x-envoy-expected-rq-timeout-ms"):
+            call = make_call(f, max_tokens=17 if name == b"x-usefulwork-deadline-ms" else 18)
+            call.headers.append((name, b"5000"))
+            replies.append(await f(call, be))
+            replies.append(len(q._held))
+        be.gates[0].set()
+        await (await first).aclose()
+        return replies
+
+    told, held_after_told, envoy, held_after_envoy = asyncio.run(go())
+    assert told.status == 429 and told.header(b"x-usefulwork-shed-reason") == b"client_timeout"
+    assert told.header(b"x-should-retry") == b"false" and int(told.header(b"retry-after-ms")) > 5000
+    assert "do not retry" in orjson.loads(told.body)["error"]["message"]
+    assert held_after_told == 0
+    assert envoy.status == 429 and envoy.header(b"x-should-retry") is None
+    assert held_after_envoy == 1
 
 
 @pytest.mark.parametrize("how", ["raises", "cancelled_while_running", "cancelled_while_queued"])

@@ -2088,3 +2088,30 @@ def test_a_free_slot_is_not_given_to_a_request_whose_client_leaves_before_even_a
         assert d.kind == kind, (gone_at, done_by, stream, d)
         if kind == "shed":
             assert d.reason == "client_timeout" and d.retry_after_s > 0
+
+
+def test_a_shed_whose_retry_cannot_end_within_its_clients_deadline_for_all_attempts_is_told_not_to_retry():
+    """A client whose deadline spans its retries (``give_up_at``: ``x-usefulwork-deadline-ms``) is shed into
+    a pool whose next place is seconds away. Where even a quick answer from that place (its prefill, its
+    decode at the load now) would end past that deadline, the shed is ``final`` (``x-should-retry: false``)
+    with reason ``client_timeout``, and no place is held for it: another shed client may use it. With time
+    enough, or with only a per-attempt deadline (Envoy's ``done_by``: a retry gets a fresh one), its place is
+    held and it may retry."""
+    def shed_one(give_up_at: float | None, done_by: float | None = None):
+        q = make_queue(limit=1, service_s=10.0)
+        q.return_prior = 1.0
+        q.capacity.prefill_each, q.capacity.tpot = 0.2, 0.01  # a quick answer: 0.2 s + 127 x 10 ms = 1.47 s
+        assert q.offer(ticket(0.0), 0.0).kind == "admit"  # the only slot, held 10 s
+        t = Ticket("a", 0, 640.0, 0.1, 2.1, max_tokens=128)
+        t.key, t.give_up_at, t.done_by = 7, give_up_at, done_by if done_by is not None else give_up_at
+        return q, t, q.offer(t, 0.1)
+
+    q, t, d = shed_one(give_up_at=60.0)  # its retry fits: told when, its place held
+    assert d.kind == "shed" and d.reason == "predicted_wait" and not t.final
+    assert d.retry_after_s > 5.0 and 7 in q._held
+    q, t, d = shed_one(give_up_at=0.1 + d.retry_after_s + 1.0)  # back in time, but not answered by then
+    assert d.kind == "shed" and d.reason == "client_timeout" and t.final and t.shed_reason == "client_timeout"
+    assert 7 not in q._held and not q.reservations
+    assert q.shed_total == {"client_timeout": 1}
+    q, t, d = shed_one(give_up_at=None, done_by=d.retry_after_s)  # per attempt only: a retry starts afresh
+    assert d.kind == "shed" and not t.final and 7 in q._held

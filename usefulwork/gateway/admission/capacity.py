@@ -337,10 +337,12 @@ class Capacity:
         pool, the replicas' live mean); None before any is measured."""
         return decode_time(*self.decode_terms(), max_tokens)
 
-    def quick_decode(self, max_tokens: int | None) -> float | None:
-        """What ``est_decode`` prices at the decode speed of the load now, not the slowest one measured: how
-        soon a request started now could end (``PoolQueue._gone_before_answer``); None before it is measured."""
-        return decode_time(self.tpot_at(self.load_now) or self.live_tpot_mean or self.tpot, self._output_cap(), max_tokens)
+    def quick_decode(self, max_tokens: int | None, full: bool = False) -> float | None:
+        """What ``est_decode`` prices at the decode speed of the load now (with ``full``, of at least a pool
+        full to its SLO limit), not the slowest one measured: how soon a request started now (at a place that
+        frees in a full pool) could end (``PoolQueue._quick_answer``); None before it is measured."""
+        load = max(self.load_now, self.current() / max(1, self.count())) if full else self.load_now
+        return decode_time(self.tpot_at(load) or self.live_tpot_mean or self.tpot, self._output_cap(), max_tokens)
 
     def decode_terms(self) -> tuple[float | None, int | None]:
         """What ``est_decode`` depends on: the decode speed it counts (None before any is measured) and the

@@ -74,12 +74,20 @@ OPENAI_CODES = {"budget": ("insufficient_quota", "insufficient_quota"), "rpm": (
 NO_RETRY = (b"x-should-retry", b"false")
 # The OpenAI SDKs (Python, Node) number each attempt: 0 first, then the retries (a 429's included).
 RETRY_COUNT_HEADER = b"x-stainless-retry-count"
-# How long the client waits for its answer, (header, its unit in seconds, whether it covers the whole
-# answer): the OpenAI SDKs send their read timeout in seconds on every request (it bounds the wait for the
-# first bytes: a stream's first token), Envoy its route's timeout in milliseconds to the upstream (it
-# covers the whole response, a stream's last token included). A request that cannot be answered within it
-# is shed with its Retry-After at once, not left to the client's timeout in the queue.
-CLIENT_TIMEOUT_HEADERS = ((b"x-stainless-read-timeout", 1.0, False), (b"x-envoy-expected-rq-timeout-ms", 1e-3, True))
+# How long the client waits for its answer, (header, its unit in seconds, what it bounds: 0 its first bytes,
+# 1 its whole answer, 2 its whole answer across its retries): the OpenAI SDKs send their read timeout in
+# seconds on every request (it bounds the wait for the first bytes: a stream's first token), Envoy its
+# route's timeout in milliseconds to the upstream (it covers the whole response, a stream's last token
+# included). Both start again on each attempt. ``x-usefulwork-deadline-ms`` is the time the client has left
+# for the whole answer with its retries included, as a gRPC deadline spans the call's retries (the loadtest
+# client declares it on every attempt). A request that cannot be answered within any of them is shed with
+# its Retry-After at once, not left to the client's timeout in the queue; a shed whose retry could not be
+# answered within the last is told not to retry (``x-should-retry: false``, reason ``client_timeout``), and
+# no place is held for it.
+CLIENT_TIMEOUT_HEADERS = ((b"x-stainless-read-timeout", 1.0, 0), (b"x-envoy-expected-rq-timeout-ms", 1e-3, 1),
+                          (b"x-usefulwork-deadline-ms", 1e-3, 2))
+_FINAL = ("the {pool} pool is at capacity: neither this request nor a retry of it can be answered within the "
+          "deadline its client declared for all its attempts (x-usefulwork-deadline-ms); do not retry it")
 _MESSAGES = {
     "predicted_wait": "the {pool} pool is at capacity: this request cannot start within its deadline; retry after the given time",
     "deadline": "the {pool} pool is at capacity: this request's deadline passed while it was queued",
@@ -97,12 +105,13 @@ _MESSAGES = {
 }
 
 
-def client_timeouts(call: Call) -> tuple[float | None, float | None]:
+def client_timeouts(call: Call) -> tuple[float | None, float | None, float | None]:
     """The shortest waits the client declares (``CLIENT_TIMEOUT_HEADERS``), in seconds: (for its first bytes,
-    for its whole answer); None where it declares none. A malformed, non-positive or non-finite value is
-    ignored: a hint, not part of the API."""
-    out: list[float | None] = [None, None]
-    for name, scale, whole in CLIENT_TIMEOUT_HEADERS:
+    for its whole answer, for its whole answer across its retries); None where it declares none. A whole
+    answer's is the shorter of the last two. A malformed, non-positive or non-finite value is ignored: a
+    hint, not part of the API."""
+    out: list[float | None] = [None, None, None]
+    for name, scale, bounds in CLIENT_TIMEOUT_HEADERS:
         raw = call.header(name)
         if raw is None:
             continue
@@ -110,9 +119,11 @@ def client_timeouts(call: Call) -> tuple[float | None, float | None]:
             v = float(raw) * scale
         except ValueError:
             continue
-        if 0.0 < v < math.inf and (out[whole] is None or v < out[whole]):  # type: ignore[operator]
-            out[whole] = v
-    return out[0], out[1]
+        if 0.0 < v < math.inf:
+            for k in {bounds, min(bounds, 1)}:
+                if out[k] is None or v < out[k]:  # type: ignore[operator]
+                    out[k] = v
+    return out[0], out[1], out[2]
 
 
 def _retried(raw: bytes | None) -> int | None:
@@ -330,11 +341,13 @@ class AdmissionFilter:
         t = Ticket(ctx.tenant, cls, float(tokens), now, now + self.deadline_s[cls], max_tokens=max_tokens,
                    key_of=_retry_key(ctx.tenant, call.raw, call.body),
                    stream=ctx.stream, retried=_retried(call.header(RETRY_COUNT_HEADER)))
-        read_s, whole_s = client_timeouts(call)
+        read_s, whole_s, all_s = client_timeouts(call)
         if read_s is not None:
             t.gone_at = now + CLIENT_TIMEOUT_SHARE * read_s
         if whole_s is not None:
             t.done_by = now + CLIENT_TIMEOUT_SHARE * whole_s
+        if all_s is not None:
+            t.give_up_at = now + CLIENT_TIMEOUT_SHARE * all_s
         decision = queue.offer(t, now)
         if decision.kind == "shed" and tenant_cfg.degrade is not None:
             queue, decision = self._degrade(call, queue, t, decision, tenant_cfg.degrade, now)
@@ -413,7 +426,7 @@ class AdmissionFilter:
         return queue, decision
 
     def _refuse(self, call: Call, status: int, message: str, reason: str, queue: PoolQueue | None,
-                retry_after_s: float) -> Reply:
+                retry_after_s: float, final: bool = False) -> Reply:
         ctx = call.ctx
         ctx.admission = "shed" if status == 429 else "refused"
         ctx.shed_reason = reason
@@ -422,8 +435,9 @@ class AdmissionFilter:
             self._sheds.add(1, {"pool": queue.name if queue else (call.pool.name if call.pool else ""),
                                 "priority": ctx.priority or "", "reason": reason})
         headers = [*retry_after_header(retry_after_s), (REASON_HEADER, reason.encode())]
-        if reason in NO_RETRY_NOW or retry_after_s > SDK_RETRY_AFTER_MAX_S:
-            # (told longer than an SDK waits: 3.x gives up anyway, older ones would retry at once into a full pool)
+        if final or reason in NO_RETRY_NOW or retry_after_s > SDK_RETRY_AFTER_MAX_S:
+            # (told longer than an SDK waits: 3.x gives up anyway, older ones would retry at once into a full pool;
+            # ``final``: its retry could not be answered within the deadline its client declared for all attempts)
             headers.append(NO_RETRY)
         code, type_ = OPENAI_CODES.get(reason, (reason, None))
         return _error(status, message, code, headers, type_=type_)
@@ -431,7 +445,9 @@ class AdmissionFilter:
     def _shed(self, call: Call, queue: PoolQueue, t: Ticket, reason: str, retry_after_s: float) -> Reply:
         self.decisions["shed"] += 1
         msg = _MESSAGES.get(reason, "shed: {pool}").format(pool=queue.name, tenant=t.tenant)
-        return self._refuse(call, 429, msg, reason, queue, retry_after_s)
+        if t.final:
+            msg = _FINAL.format(pool=queue.name)
+        return self._refuse(call, 429, msg, reason, queue, retry_after_s, final=t.final)
 
     # -- waiting and dispatching --
     async def _wait(self, queue: PoolQueue, t: Ticket) -> bool:

@@ -154,6 +154,10 @@ class Ticket:
     # for the whole answer, a stream's last token included (Envoy's route timeout). None: it declares none.
     gone_at: float | None = None
     done_by: float | None = None
+    # The client gives up on the request then, its retries included (``x-usefulwork-deadline-ms``): a shed
+    # whose retry could not be answered by then is told not to retry (``final``) and no place is held for it.
+    give_up_at: float | None = None
+    final: bool = False
     # A retry whose place another gateway process holds (``PoolQueue._take_fleet_place``): (that process, the
     # place's time); it borrows that place where this process has no slot in time.
     place_of: tuple[str, float] | None = None
@@ -758,7 +762,7 @@ class PoolQueue:
 
     def _shed(self, t: Ticket, reason: str, wait: float, now: float) -> Decision:
         self._mark_shed(t, reason, now)
-        return Decision("shed", reason, predicted_wait_s=wait, retry_after_s=t.retry_after_s)
+        return Decision("shed", t.shed_reason, predicted_wait_s=wait, retry_after_s=t.retry_after_s)
 
     def _mark_shed(self, t: Ticket, reason: str, now: float) -> None:
         """Shed ``t`` (at arrival, or from the queue): count it, note its demand, tell it when to come back."""
@@ -775,6 +779,10 @@ class PoolQueue:
             now_numbered = float(t.retried is not None)
             self.numbered[t.tenant] = now_numbered if was is None else was + RETURN_EWMA * (now_numbered - was)
         t.retry_after_s = self._retry_after(t, now)
+        if t.final and reason != "client_timeout":  # (why it may not retry: its client's deadline)
+            _count_down(self.shed_total, reason)
+            self.shed_total["client_timeout"] = self.shed_total.get("client_timeout", 0) + 1
+            t.shed_reason = "client_timeout"
 
     def _retry_after(self, t: Ticket, now: float) -> float:
         """When the retry of shed ``t`` fits; its place is held for it then (a reservation).
@@ -813,9 +821,13 @@ class PoolQueue:
         else:
             retry = 1.0
         retry = max(retry, first, 0.05)
+        # A client whose deadline spans its retries, and whose retry could not be answered by then even
+        # quickly, is told not to retry: no place is held for it, where another shed client could use it.
+        t.final = t.give_up_at is not None and now + retry + self._quick_answer(t, full=True)[1] > t.give_up_at
         # (A client numbering its attempts, told more than its SDK honours, gives up: no place is held for
         # it, where it would sit free in a full pool until its time and count ahead of every later shed.)
-        if t.cls < 2 and t.retry_key() and not (t.retried is not None and retry > SDK_RETRY_AFTER_MAX_S):
+        if (t.cls < 2 and not t.final and t.retry_key()
+                and not (t.retried is not None and retry > SDK_RETRY_AFTER_MAX_S)):
             self._reserve(now + retry, t.key, t.tenant, now, t.sheds + 1)
         return retry
 
@@ -1114,14 +1126,19 @@ class PoolQueue:
             latest = min(latest, t.done_by - self.capacity.est_e2e(t.max_tokens))
         return latest
 
-    def _gone_before_answer(self, t: Ticket, now: float) -> bool:
-        """Whether ``t``'s client gives up (the timeouts it declares) before even a quick answer could come:
-        its prompt's prefill alone, and its decode at the speed of the load now (not the full pool's)."""
+    def _quick_answer(self, t: Ticket, full: bool = False) -> tuple[float, float]:
+        """How soon ``t`` could be answered at best, (its first bytes, its whole answer), in seconds from its
+        start: its prompt's prefill alone, and its decode at the speed of the load now (not the slowest
+        measured), or with ``full`` at least a full pool's (where a place frees)."""
         prefill = self.capacity.prefill_time() or 0.0
-        decode = self.capacity.quick_decode(t.max_tokens) or 0.0
-        first = prefill if t.stream else prefill + decode
+        whole = prefill + (self.capacity.quick_decode(t.max_tokens, full) or 0.0)
+        return (prefill if t.stream else whole), whole
+
+    def _gone_before_answer(self, t: Ticket, now: float) -> bool:
+        """Whether ``t``'s client gives up (the timeouts it declares) before even a quick answer could come."""
+        first, whole = self._quick_answer(t)
         return ((t.gone_at is not None and now + first > t.gone_at)
-                or (t.done_by is not None and now + prefill + decode > t.done_by))
+                or (t.done_by is not None and now + whole > t.done_by))
 
     def _slo_latest(self, t: Ticket) -> float:
         latest = t.deadline - self.est_ttft(t.cls, t.tenant)
