@@ -313,7 +313,9 @@ def test_first_retries_are_admitted_on_the_recorded_cpu_vllm_replicas():
     its Retry-After names, is told not to retry (``x-should-retry: false``) and no place is held for it:
     where those clients slept out their Retry-After into their own timeout (78-97 timeouts a host, seeds
     1-6), none times out, and of the first retries made, 24 of 24, 30 of 31, 35 of 35 and 30 of 43 are
-    admitted (s43: 21 of 88 before); served 124 / 124 / 133 / 114 -> 121 / 128 / 137 / 122."""
+    admitted (s43: 21 of 88 before); served 124 / 124 / 133 / 114 -> 121 / 128 / 137 / 122. With the live
+    decode's mean rescaled as its peak is (``Capacity.judge_live``): 40 of 40, 38 of 39, 36 of 37 and 27
+    of 47; served 132 / 137 / 139 / 118."""
     import json
     from pathlib import Path
 

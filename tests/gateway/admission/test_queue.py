@@ -830,6 +830,8 @@ def test_a_bursts_prefills_are_judged_at_a_full_pools_turnover_not_at_the_bursts
     cap = burst(0.12, 12)
     assert cap.live_tpot_peak == 0.12 and cap.live_tpot == pytest.approx(0.03 + 0.04)
     assert cap.limit == 20 and cap.decreases == 0
+    # the replicas' mean, which prices a waiting request's decode (``est_decode``), is rescaled alike
+    assert cap.live_tpot_mean == pytest.approx(0.07) and cap.decode_terms()[0] == pytest.approx(0.07)
     # a decode slow beyond the prefills' share is still cut (200 ms read: 50 + 40 ms at the turnover), and
     # the cut's log says both
     with caplog.at_level(logging.INFO, logger="usefulwork.admission"):

@@ -148,7 +148,8 @@ class Capacity:
         self.live_tpot: float | None = None  # the slowest replica's inter-token latency now (Replica.itl_live; see judge_live)
         self.slow_start_credit = 0.0  # slow-start growth earned by first tokens that came before any live decode speed
         self.slow_start_decode = math.inf  # the decode speed that credit needs (the tightest of its requests')
-        self.live_tpot_mean: float | None = None  # the replicas' mean of it (what one request, on one replica, decodes at)
+        # the replicas' mean of it, rescaled as it is (what one request, on one replica, decodes at)
+        self.live_tpot_mean: float | None = None
         self._live_seen: dict[int, int] = {}  # id(replica) -> its scrape count when last judged
         self._scrape_times: deque[float] = deque(maxlen=LIVE_SCRAPES)  # when the last scrapes were judged
         self._admits: deque[float] = deque()  # when requests were admitted (their prompts sent), the last minute
@@ -438,6 +439,11 @@ class Capacity:
             live, model = self._lifetime(live, now)
         self.live_tpot = live
         self.live_tpot_mean = _mean(lives)
+        if model is not None and self.live_tpot_mean is not None:
+            # (rescaled as the peak was: the queue prices a waiting request's decode at it, ``est_decode``. Read
+            # raw, a burst's 231 ms priced a batch request at 30.6 s against its client's 28.5 s, and it was
+            # shed; those admitted beside it took 10-11 s: the real CPU vLLM's 2x cell, session 55)
+            self.live_tpot_mean *= live / self.live_tpot_peak
         self.live_prefill = _mean(_healthy_figures(reps, "prefill_live"))
         self.live_service = _mean(_healthy_figures(reps, "e2e_live"))
         if self.slow_start_credit and live is not None:
