@@ -135,6 +135,47 @@ def test_an_sdk_client_that_gives_up_sooner_than_the_slo_gets_a_rate_limit_error
         gw.stop()
 
 
+def test_an_sdk_client_declaring_its_deadline_for_all_attempts_is_told_not_to_retry_and_does_not(sim, tmp_path):
+    """The openai SDK with its default 2 retries, its application declaring 1.5 s for the whole call,
+    retries included (``x-usefulwork-deadline-ms``), against a slot held for seconds: the 429 says
+    ``x-should-retry: false`` (no retry could end in time), and the SDK raises ``RateLimitError`` after
+    one attempt, at once, instead of sleeping out the Retry-After to retry into the same full pool. The
+    same 1.5 s as Envoy's per-attempt route timeout: the 429 does not say so (a retry gets a fresh 1.5 s)."""
+    gw = gateway(sim, tmp_path, slo={"ttft_ms": 20000, "e2e_ms": 60000},
+                 admission={"initial_concurrency": 1, "max_concurrency": 1})
+    try:
+        url = gw.base_url + "/v1"
+        patient = openai.OpenAI(base_url=url, api_key="k", max_retries=0)
+        sent: list[str] = []
+        counted = httpx.Client(event_hooks={"request": [lambda r: sent.append(r.headers.get("x-stainless-retry-count"))]})
+        sdk = openai.OpenAI(base_url=url, api_key="k", max_retries=2, http_client=counted)
+        long = dict(model=MODEL, prompt="a " * 50, max_tokens=256, extra_body={"ignore_eos": True})
+        patient.completions.create(**long)  # measured: a slot is held for the seconds such an answer takes
+
+        async def run():
+            task = asyncio.ensure_future(asyncio.to_thread(patient.completions.create, **long))
+            await asyncio.sleep(0.3)
+            out = []
+            for header in ("x-usefulwork-deadline-ms", "x-envoy-expected-rq-timeout-ms"):
+                t0 = time.monotonic()
+                try:
+                    await asyncio.to_thread(sdk.with_options(max_retries=2 if header.startswith("x-use") else 0)
+                                            .completions.create, model=MODEL, prompt="b " * 50, max_tokens=8,
+                                            extra_body={"ignore_eos": True}, extra_headers={header: "1500"})
+                except openai.RateLimitError as exc:
+                    out.append((exc, time.monotonic() - t0, len(sent)))
+            await task
+            return out
+
+        (told, told_s, attempts), (envoy, _, _) = asyncio.run(run())
+        assert told.response.headers["x-should-retry"] == "false" and told.body["code"] == "client_timeout"
+        assert attempts == 1 and sent[0] == "0" and told_s < 1.0  # (one attempt, the first)
+        assert float(told.response.headers["retry-after-ms"]) > 0
+        assert "x-should-retry" not in envoy.response.headers and envoy.body["code"] == "client_timeout"
+    finally:
+        gw.stop()
+
+
 def test_the_loadtest_client_declares_the_time_it_has_left_and_is_shed_not_timed_out(sim, tmp_path):
     """The loadtest client declares, on every attempt, the time it has left for the whole answer, its
     retries included (``x-usefulwork-deadline-ms``). One slot held for seconds, a 20 s TTFT SLO: its request

@@ -2070,7 +2070,7 @@ def test_a_retry_reaching_another_gateway_claims_the_place_held_for_it_there_and
     assert h.slot_free(0) == -1  # (its own request runs, and it leaves the lent slot idle)
 
 
-def test_a_free_slot_is_not_given_to_a_request_whose_client_leaves_before_even_a_quick_answer():
+def test_a_free_slot_is_not_given_to_a_request_whose_client_leaves_before_even_a_quick_answer(caplog):
     """A free slot, but the client declares it gives up sooner than even a quick answer could come (its
     prefill, and its decode at the speed of the load now): shed at once with ``client_timeout`` and a
     Retry-After, not served to nobody. Nothing is known of the service yet: admitted (a hint, fail-open)."""
@@ -2090,6 +2090,16 @@ def test_a_free_slot_is_not_given_to_a_request_whose_client_leaves_before_even_a
         assert d.kind == kind, (gone_at, done_by, stream, d)
         if kind == "shed":
             assert d.reason == "client_timeout" and d.retry_after_s > 0
+    # each such shed logs at DEBUG what it read, the quick answer's time and the client's
+    q = make_queue(limit=2, service_s=1.0)
+    q.capacity.prefill_each, q.capacity.tpot = 0.2, 0.01
+    t = Ticket("a", 0, 640.0, 0.0, 2.0, max_tokens=128)
+    t.done_by = 1.0
+    with caplog.at_level("DEBUG", logger="usefulwork.admission"):
+        assert q.offer(t, 0.0).kind == "shed"
+    (line,) = [r.getMessage() for r in caplog.records if "shed at a free slot" in r.getMessage()]
+    for key in ("'quick_answer_s': [0.2, 1.47]", "'done_in_s': 1.0", "'gone_in_s': None", "'inflight': 0"):
+        assert key in line, line
 
 
 def test_a_shed_whose_retry_cannot_end_within_its_clients_deadline_for_all_attempts_is_told_not_to_retry():

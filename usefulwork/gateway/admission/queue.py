@@ -623,6 +623,12 @@ class PoolQueue:
         wait = self._place_wait(ahead + reserved + 1, t, now)  # (``predict_wait``, ``ahead`` counted once)
         if wait == 0.0 and ahead == 0:
             if _declares_timeout(t) and self._gone_before_answer(t, now):
+                if log.isEnabledFor(logging.DEBUG):
+                    info = self.explain(t, now, ahead, reserved, wait, self.budget(t, now))
+                    info.update(quick_answer_s=[round(x, 3) for x in self._quick_answer(t)],
+                                gone_in_s=None if t.gone_at is None else round(t.gone_at - now, 3),
+                                done_in_s=None if t.done_by is None else round(t.done_by - now, 3))
+                    log.debug("admission: shed at a free slot: %s", info)
                 return self._shed(t, "client_timeout", 0.0, now)
             self._admit(t, now)
             return Decision("admit")
@@ -728,8 +734,8 @@ class PoolQueue:
         return [(k, at, holder) for k, at, holder, _ in self.took]
 
     def explain(self, t: Ticket, now: float, ahead: int, reserved: int, wait: float | None, budget: float) -> dict:
-        """What a decision on ``t`` read: the gateway's DEBUG line for each shed at arrival (the loadtest's
-        ``USEFULWORK_GATEWAY_LOG_LEVEL=debug``). The decode speed is the largest of its terms (overall, full
+        """What a decision on ``t`` read: the gateway's DEBUG line for each shed at arrival or at a free slot,
+        and each drop from the queue (the loadtest's ``USEFULWORK_GATEWAY_LOG_LEVEL=debug``). The decode speed is the largest of its terms (overall, full
         pool, the replicas' live mean, the load line at the load now)."""
         cap = self.capacity
         tpot, out = cap.decode_terms()
