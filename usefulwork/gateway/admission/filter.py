@@ -119,10 +119,12 @@ def client_timeouts(call: Call) -> tuple[float | None, float | None, float | Non
             v = float(raw) * scale
         except ValueError:
             continue
-        if 0.0 < v < math.inf:
-            for k in {bounds, min(bounds, 1)}:
-                if out[k] is None or v < out[k]:  # type: ignore[operator]
-                    out[k] = v
+        if not 0.0 < v < math.inf:
+            continue
+        if out[bounds] is None or v < out[bounds]:  # type: ignore[operator]
+            out[bounds] = v
+        if bounds == 2 and (out[1] is None or v < out[1]):  # type: ignore[operator]
+            out[1] = v  # (a deadline for all attempts bounds this one's whole answer too)
     return out[0], out[1], out[2]
 
 
