@@ -73,6 +73,11 @@ def test_client_does_not_wait_out_a_429_that_says_not_to_retry():
     res, seen = run_send([budget, httpx.Response(200, content=SSE)], honor=True)
     assert (res.outcome, res.retries, len(seen), res.shed_reason) == ("shed", 0, 1, "budget")
     slo = SLOSpec.from_mapping({"ttft_ms": 2000, "tpot_ms": 100, "e2e_ms": 5000, "attainment": 0.95})
+    assert per_request([res], slo, 1.0)["told_not_to_retry"] == [False]  # (a spent budget: not for its deadline)
+    futile = httpx.Response(429, headers={"retry-after-ms": "20000", "x-should-retry": "false",
+                                          "x-usefulwork-shed-reason": "client_timeout"}, json={"error": {}})
+    res, seen = run_send([futile, httpx.Response(200, content=SSE)], honor=True)
+    assert (res.outcome, res.retries, len(seen)) == ("shed", 0, 1)
     assert per_request([res], slo, 1.0)["told_not_to_retry"] == [True]  # (results count it apart)
     res, _ = run_send([shed(10), httpx.Response(200, content=SSE)], honor=True)
     assert per_request([res], slo, 1.0)["told_not_to_retry"] == [False]

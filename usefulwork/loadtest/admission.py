@@ -40,7 +40,9 @@ def per_request(results: Sequence[RequestResult], slo: SLOSpec, time_scale: floa
         "retry_after_s": [r.retry_after_s for r in results],
         "shed_wall_s": [r.shed_s / time_scale for r in results],
         "shed_reason": [r.shed_reason for r in results],
-        "told_not_to_retry": [r.final and r.retries == 0 and r.outcome == "shed" for r in results],
+        # (shed at once with x-should-retry: false for its declared deadline, not a spent budget)
+        "told_not_to_retry": [r.final and r.retries == 0 and r.outcome == "shed" and r.shed_reason == "client_timeout"
+                              for r in results],
         "wasted_chunks": [r.chunks if r.outcome != "ok" else 0 for r in results],
     }
 

@@ -735,8 +735,9 @@ class PoolQueue:
 
     def explain(self, t: Ticket, now: float, ahead: int, reserved: int, wait: float | None, budget: float) -> dict:
         """What a decision on ``t`` read: the gateway's DEBUG line for each shed at arrival or at a free slot,
-        and each drop from the queue (the loadtest's ``USEFULWORK_GATEWAY_LOG_LEVEL=debug``). The decode speed is the largest of its terms (overall, full
-        pool, the replicas' live mean, the load line at the load now)."""
+        and each drop from the queue (the loadtest's ``USEFULWORK_GATEWAY_LOG_LEVEL=debug``). The decode
+        speed is the largest of its terms (overall, full pool, the replicas' live mean, the load line at the
+        load now)."""
         cap = self.capacity
         tpot, out = cap.decode_terms()
         hold = cap.slot_hold()
