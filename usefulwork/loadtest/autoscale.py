@@ -341,12 +341,11 @@ class Simulation:
             req.first_retry = "shed"
             req.first_retry_reason = (req.ticket.shed_reason if req.ticket is not None else None) or ""
         retries = self._retries(req)
-        final = req.ticket is not None and req.ticket.final  # (x-should-retry: false: the SDKs do not retry)
+        # (x-should-retry: false, which the SDKs obey. A client counting its timeout from its first send
+        # declares it, ``Ticket.give_up_at``: a Retry-After past it is always such, never slept into.)
+        final = req.ticket is not None and req.ticket.final
         if req.attempts <= retries and retry_after_s <= self.client.max_retry_after_s and not final:
-            if self.client.from_first_send and self.now + retry_after_s >= req.t0 + self.client.timeout_s:
-                self._end(req, "timeout")  # its client sleeps out the Retry-After past its own timeout
-            else:
-                self._push_send(self.now + retry_after_s, req)
+            self._push_send(self.now + retry_after_s, req)
         else:
             self._end(req, "shed")
 

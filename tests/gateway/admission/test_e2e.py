@@ -96,43 +96,54 @@ def test_openai_sdk_sees_rate_limit_error_with_retry_after_and_can_honour_it(sim
         gw.stop()
 
 
+def behind_one_held_slot(sim, tmp_path, during):
+    """A gateway with one slot and a 20 s TTFT SLO, measured once on a 256-token answer (a slot is then held
+    for the seconds such an answer takes); ``during(gw)``, a coroutine function, runs 0.3 s after another such
+    answer took the slot. Its result."""
+    gw = gateway(sim, tmp_path, slo={"ttft_ms": 20000, "e2e_ms": 60000},
+                 admission={"initial_concurrency": 1, "max_concurrency": 1})
+    try:
+        patient = openai.OpenAI(base_url=gw.base_url + "/v1", api_key="k", max_retries=0)
+        long = dict(model=MODEL, prompt="a " * 50, max_tokens=256, extra_body={"ignore_eos": True})
+        patient.completions.create(**long)
+
+        async def run():
+            task = asyncio.ensure_future(asyncio.to_thread(patient.completions.create, **long))
+            await asyncio.sleep(0.3)
+            out = await during(gw)
+            await task
+            return out
+
+        return asyncio.run(run())
+    finally:
+        gw.stop()
+
+
 def test_an_sdk_client_that_gives_up_sooner_than_the_slo_gets_a_rate_limit_error_not_a_timeout(sim, tmp_path):
     """The openai SDK sends its read timeout on every request (``x-stainless-read-timeout``). With a slot
     held for seconds and a 20 s TTFT SLO, a request whose client waits 1 s is shed at once with 429 +
     Retry-After (``RateLimitError``); the same request with that header removed queues for the SLO's
     deadline and its client times out (``APITimeoutError``): what the header changes."""
-    gw = gateway(sim, tmp_path, slo={"ttft_ms": 20000, "e2e_ms": 60000},
-                 admission={"initial_concurrency": 1, "max_concurrency": 1})
-    try:
-        url = gw.base_url + "/v1"
-        patient = openai.OpenAI(base_url=url, api_key="k", max_retries=0)
-        hasty = openai.OpenAI(base_url=url, api_key="k", max_retries=0, timeout=1.0)
-        long = dict(model=MODEL, prompt="a " * 50, max_tokens=256, extra_body={"ignore_eos": True})
-        patient.completions.create(**long)  # measured: a slot is held for the seconds such an answer takes
 
-        async def run():
-            task = asyncio.ensure_future(asyncio.to_thread(patient.completions.create, **long))
-            await asyncio.sleep(0.3)
-            out = []
-            for headers in ({}, {"X-Stainless-Read-Timeout": openai.Omit()}):
-                t0 = time.monotonic()
-                try:
-                    await asyncio.to_thread(hasty.completions.create, model=MODEL, prompt="b " * 50, max_tokens=8,
-                                            extra_body={"ignore_eos": True}, extra_headers=headers)
-                except (openai.RateLimitError, openai.APITimeoutError) as exc:
-                    out.append((exc, time.monotonic() - t0))
-                else:
-                    out.append((None, time.monotonic() - t0))
-            await task
-            return out
+    async def during(gw):
+        hasty = openai.OpenAI(base_url=gw.base_url + "/v1", api_key="k", max_retries=0, timeout=1.0)
+        out = []
+        for headers in ({}, {"X-Stainless-Read-Timeout": openai.Omit()}):
+            t0 = time.monotonic()
+            try:
+                await asyncio.to_thread(hasty.completions.create, model=MODEL, prompt="b " * 50, max_tokens=8,
+                                        extra_body={"ignore_eos": True}, extra_headers=headers)
+            except (openai.RateLimitError, openai.APITimeoutError) as exc:
+                out.append((exc, time.monotonic() - t0))
+            else:
+                out.append((None, time.monotonic() - t0))
+        return out
 
-        (shed, shed_s), (timed_out, _) = asyncio.run(run())
-        assert isinstance(shed, openai.RateLimitError) and shed_s < 0.5
-        assert shed.response.headers["x-usefulwork-shed-reason"] == shed.body["code"] == "client_timeout"
-        assert float(shed.response.headers["retry-after-ms"]) > 0
-        assert isinstance(timed_out, openai.APITimeoutError)
-    finally:
-        gw.stop()
+    (shed, shed_s), (timed_out, _) = behind_one_held_slot(sim, tmp_path, during)
+    assert isinstance(shed, openai.RateLimitError) and shed_s < 0.5
+    assert shed.response.headers["x-usefulwork-shed-reason"] == shed.body["code"] == "client_timeout"
+    assert float(shed.response.headers["retry-after-ms"]) > 0
+    assert isinstance(timed_out, openai.APITimeoutError)
 
 
 def test_an_sdk_client_declaring_its_deadline_for_all_attempts_is_told_not_to_retry_and_does_not(sim, tmp_path):
@@ -141,39 +152,27 @@ def test_an_sdk_client_declaring_its_deadline_for_all_attempts_is_told_not_to_re
     ``x-should-retry: false`` (no retry could end in time), and the SDK raises ``RateLimitError`` after
     one attempt, at once, instead of sleeping out the Retry-After to retry into the same full pool. The
     same 1.5 s as Envoy's per-attempt route timeout: the 429 does not say so (a retry gets a fresh 1.5 s)."""
-    gw = gateway(sim, tmp_path, slo={"ttft_ms": 20000, "e2e_ms": 60000},
-                 admission={"initial_concurrency": 1, "max_concurrency": 1})
-    try:
-        url = gw.base_url + "/v1"
-        patient = openai.OpenAI(base_url=url, api_key="k", max_retries=0)
-        sent: list[str] = []
+    sent: list[str] = []
+
+    async def during(gw):
         counted = httpx.Client(event_hooks={"request": [lambda r: sent.append(r.headers.get("x-stainless-retry-count"))]})
-        sdk = openai.OpenAI(base_url=url, api_key="k", max_retries=2, http_client=counted)
-        long = dict(model=MODEL, prompt="a " * 50, max_tokens=256, extra_body={"ignore_eos": True})
-        patient.completions.create(**long)  # measured: a slot is held for the seconds such an answer takes
+        sdk = openai.OpenAI(base_url=gw.base_url + "/v1", api_key="k", max_retries=2, http_client=counted)
+        out = []
+        for header in ("x-usefulwork-deadline-ms", "x-envoy-expected-rq-timeout-ms"):
+            t0 = time.monotonic()
+            try:
+                await asyncio.to_thread(sdk.with_options(max_retries=2 if header.startswith("x-use") else 0)
+                                        .completions.create, model=MODEL, prompt="b " * 50, max_tokens=8,
+                                        extra_body={"ignore_eos": True}, extra_headers={header: "1500"})
+            except openai.RateLimitError as exc:
+                out.append((exc, time.monotonic() - t0, len(sent)))
+        return out
 
-        async def run():
-            task = asyncio.ensure_future(asyncio.to_thread(patient.completions.create, **long))
-            await asyncio.sleep(0.3)
-            out = []
-            for header in ("x-usefulwork-deadline-ms", "x-envoy-expected-rq-timeout-ms"):
-                t0 = time.monotonic()
-                try:
-                    await asyncio.to_thread(sdk.with_options(max_retries=2 if header.startswith("x-use") else 0)
-                                            .completions.create, model=MODEL, prompt="b " * 50, max_tokens=8,
-                                            extra_body={"ignore_eos": True}, extra_headers={header: "1500"})
-                except openai.RateLimitError as exc:
-                    out.append((exc, time.monotonic() - t0, len(sent)))
-            await task
-            return out
-
-        (told, told_s, attempts), (envoy, _, _) = asyncio.run(run())
-        assert told.response.headers["x-should-retry"] == "false" and told.body["code"] == "client_timeout"
-        assert attempts == 1 and sent[0] == "0" and told_s < 1.0  # (one attempt, the first)
-        assert float(told.response.headers["retry-after-ms"]) > 0
-        assert "x-should-retry" not in envoy.response.headers and envoy.body["code"] == "client_timeout"
-    finally:
-        gw.stop()
+    (told, told_s, attempts), (envoy, _, _) = behind_one_held_slot(sim, tmp_path, during)
+    assert told.response.headers["x-should-retry"] == "false" and told.body["code"] == "client_timeout"
+    assert attempts == 1 and sent[0] == "0" and told_s < 1.0  # (one attempt, the first)
+    assert float(told.response.headers["retry-after-ms"]) > 0
+    assert "x-should-retry" not in envoy.response.headers and envoy.body["code"] == "client_timeout"
 
 
 def test_the_loadtest_client_declares_the_time_it_has_left_and_is_shed_not_timed_out(sim, tmp_path):
@@ -183,38 +182,25 @@ def test_the_loadtest_client_declares_the_time_it_has_left_and_is_shed_not_timed
     (``x-should-retry: false``: no retry could end in its 1.5 s), so the client, which honours Retry-After,
     stops there; the same request without the header queues past the client's 1.5 s (it would have been
     served after its client left)."""
-    gw = gateway(sim, tmp_path, slo={"ttft_ms": 20000, "e2e_ms": 60000},
-                 admission={"initial_concurrency": 1, "max_concurrency": 1})
-    try:
-        url = gw.base_url + "/v1"
-        patient = openai.OpenAI(base_url=url, api_key="k", max_retries=0)
-        long = dict(model=MODEL, prompt="a " * 50, max_tokens=256, extra_body={"ignore_eos": True})
-        patient.completions.create(**long)  # measured: a slot is held for the seconds such an answer takes
-        spec = RequestSpec(index=0, endpoint="completions", max_tokens=8, input_tokens=50, prompt="b " * 50)
+    spec = RequestSpec(index=0, endpoint="completions", max_tokens=8, input_tokens=50, prompt="b " * 50)
 
-        async def run():
-            task = asyncio.ensure_future(asyncio.to_thread(patient.completions.create, **long))
-            await asyncio.sleep(0.3)
-            async with httpx.AsyncClient(timeout=None) as c:
-                res = await send(c, gw.base_url, spec, MODEL, timeout_s=1.5, clock0=time.perf_counter(), planned=0.0,
-                                 honor_retry_after=True)
-                t0 = time.monotonic()
-                try:
-                    await c.post(url + "/completions", json=spec.body(MODEL), timeout=1.5)
-                    undeclared = "answered"
-                except httpx.ReadTimeout:
-                    undeclared = "timed out"
-                waited = time.monotonic() - t0
-            await task
-            return res, undeclared, waited
+    async def during(gw):
+        async with httpx.AsyncClient(timeout=None) as c:
+            res = await send(c, gw.base_url, spec, MODEL, timeout_s=1.5, clock0=time.perf_counter(), planned=0.0,
+                             honor_retry_after=True)
+            t0 = time.monotonic()
+            try:
+                await c.post(gw.base_url + "/v1/completions", json=spec.body(MODEL), timeout=1.5)
+                undeclared = "answered"
+            except httpx.ReadTimeout:
+                undeclared = "timed out"
+            return res, undeclared, time.monotonic() - t0
 
-        res, undeclared, waited = asyncio.run(run())
-        assert (res.outcome, res.status, res.shed_reason) == ("shed", 429, "client_timeout")
-        assert res.shed_s < 0.5 and res.retry_after_s > 0
-        assert res.final and res.retries == 0 and res.end - res.sent < 0.5  # (told not to retry: it did not)
-        assert undeclared == "timed out" and waited >= 1.4
-    finally:
-        gw.stop()
+    res, undeclared, waited = behind_one_held_slot(sim, tmp_path, during)
+    assert (res.outcome, res.status, res.shed_reason) == ("shed", 429, "client_timeout")
+    assert res.shed_s < 0.5 and res.retry_after_s > 0
+    assert res.final and res.retries == 0 and res.end - res.sent < 0.5  # (told not to retry: it did not)
+    assert undeclared == "timed out" and waited >= 1.4
 
 
 class RoundRobin(httpx.HTTPTransport):

@@ -446,9 +446,7 @@ class AdmissionFilter:
 
     def _shed(self, call: Call, queue: PoolQueue, t: Ticket, reason: str, retry_after_s: float) -> Reply:
         self.decisions["shed"] += 1
-        msg = _MESSAGES.get(reason, "shed: {pool}").format(pool=queue.name, tenant=t.tenant)
-        if t.final:
-            msg = _FINAL.format(pool=queue.name)
+        msg = (_FINAL if t.final else _MESSAGES.get(reason, "shed: {pool}")).format(pool=queue.name, tenant=t.tenant)
         return self._refuse(call, 429, msg, reason, queue, retry_after_s, final=t.final)
 
     # -- waiting and dispatching --
