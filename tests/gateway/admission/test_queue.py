@@ -12,18 +12,19 @@ import pytest
 
 from usefulwork.gateway.admission.capacity import Capacity, Sample
 from usefulwork.gateway.admission.config import AdmissionCfg
-from usefulwork.gateway.admission.queue import SDK_RETRY_AFTER_MAX_S, Decision, PoolQueue, Ticket, retry_after_header
+from usefulwork.gateway.admission.queue import (RETRY_MARGIN_MAX_S, SDK_RETRY_AFTER_MAX_S, Decision, PoolQueue, Ticket,
+                                               retry_after_header)
 
 SLO = (2.0, 0.1, 5.0)  # ttft, tpot, e2e (s)
 
 
-def make_queue(limit: int = 4, service_s: float | None = 1.0, **cfg) -> PoolQueue:
+def make_queue(limit: int = 4, service_s: float | None = 1.0, slo: tuple[float, float, float] = SLO, **cfg) -> PoolQueue:
     c = AdmissionCfg(initial_concurrency=limit, **cfg)
-    cap = Capacity(c, *SLO, replica_count=lambda: 1)
+    cap = Capacity(c, *slo, replica_count=lambda: 1)
     if service_s is not None:
         cap.service = service_s  # as if measured: drain rate = limit / service
         cap.svc_ttft = 0.1
-    return PoolQueue("p", cap, reserve_fraction=c.reserve_fraction, max_queue=c.max_queue, e2e_slo_s=SLO[2])
+    return PoolQueue("p", cap, reserve_fraction=c.reserve_fraction, max_queue=c.max_queue, e2e_slo_s=slo[2])
 
 
 def ticket(now: float, tenant: str = "a", cls: int = 0, deadline_s: float = 2.0, tokens: float = 640) -> Ticket:
@@ -1018,7 +1019,8 @@ def test_cold_pool_prices_a_slot_at_the_replicas_own_request_time_until_it_has_t
     r = R()
     q = cold(r)
     assert q.capacity.slot_hold() == 30.0 and q.capacity.drain_rate() == pytest.approx(8 / 30.0)
-    assert shed_after_eight(q).retry_after_s > 30.0  # no figure at all: the SLO, as before
+    # no figure at all: the SLO, as before (the first slot frees at 30 s, less 3/4 of the budget, + the margin)
+    assert 30.0 - 0.75 * 5.0 < shed_after_eight(q).retry_after_s <= 30.0 + RETRY_MARGIN_MAX_S
 
     r = R()
     r.scrapes, r.e2e_live = 1, 8.0  # the fleet's requests take 8 s now
@@ -1187,10 +1189,14 @@ def test_a_tenant_whose_clients_never_return_does_not_clump_another_tenants_retr
 def test_on_a_slow_pool_a_tenant_whose_clients_number_their_attempts_has_its_places_held_in_full(numbered):
     """Where a slot is held for ~12 s, no held place ends (taken back or let go) for the whole of a burst,
     so its first wave is priced on the prior alone. Clients that number their attempts (the OpenAI
-    SDKs) retry a 429 by default: their places count in full from the first shed, and nearly every
-    first retry finds its place. Clients that do not say are priced at half (they may never return),
-    and new requests take the places their retries were promised."""
-    q = make_queue(limit=8, service_s=12.0)
+    SDKs) retry a 429 by default: their places count in full from the first shed, and most first retries
+    find their place. Clients that do not say are priced at half (they may never return), and new
+    requests take the places their retries were promised. (An E2E SLO of 30 s, the CPU vLLM experiment's,
+    that such a pool can meet: with 5 s every request's budget was negative and its Retry-After pushed
+    past its place by the deficit; session 56's cap on a Retry-After past its place, 2 s, then let new
+    requests take the places: 12 of 24 numbered first retries admitted. At 30 s: 27 of 31, 18 of 24
+    before the cap.)"""
+    q = make_queue(limit=8, service_s=12.0, slo=(SLO[0], SLO[1], 30.0))
     arrivals = [i / 2.0 for i in range(40)]  # 2 req/s for 20 s into 8 slots of 10-14 s
 
     def service(i: int) -> float:
@@ -1202,7 +1208,7 @@ def test_on_a_slow_pool_a_tenant_whose_clients_number_their_attempts_has_its_pla
     assert first_retries >= 20
     assert q.stats(100.0)["retry_clients_numbered"] == {"a": float(numbered)}  # (shown in /usefulwork/stats)
     if numbered:
-        assert admitted_first / first_retries >= 0.9
+        assert admitted_first / first_retries >= 0.85
     else:
         assert admitted_first / first_retries < 0.8
 
@@ -1250,8 +1256,10 @@ def test_a_returning_retry_is_not_held_behind_a_place_whose_client_did_not_come(
     a.key, b.key = 1, 2
     da, db = q.offer(a, 0.0), q.offer(b, 0.0)
     assert da.kind == db.kind == "shed"
-    # (1 queued + places promised + 4) at 1 a second, less 3/4 of the 1.9 s budget; b is behind a's place.
-    assert (da.retry_after_s, db.retry_after_s) == pytest.approx((3.575, 4.575))
+    # (1 queued + places promised) at 1 a second + the margin (4 intervals, at most RETRY_MARGIN_MAX_S: 2 s),
+    # less 3/4 of the 1.9 s budget; b is behind a's place.
+    assert RETRY_MARGIN_MAX_S == 2.0
+    assert (da.retry_after_s, db.retry_after_s) == pytest.approx((1.575, 2.575))
     assert q.release(first, 1.0) == [second]
     assert q.release(second, 2.0) == []
     # a never comes back; at b's time a's place is 1 s overdue (still held: its grace is 2 s).

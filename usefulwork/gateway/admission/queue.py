@@ -53,7 +53,9 @@ The drain is a fluid, but where even the first place a request could take frees 
 budget can wait (a pool full of requests that started together), the drain starts from that place;
 and no place is promised before the slot model frees the place behind every promised one, less the
 share of the TTFT budget a returning retry may queue for: a pool refilled in a clump frees nothing for
-a whole service time. (The slot model: a stream whose first token was sent ends its decode after it,
+a whole service time. Nor more than ``RETRY_MARGIN_MAX_S`` after that place: where a clump frees its
+slots within seconds, the fluid's spacing, a dispatch interval per promised place, told retries to come
+back after the clump, and new requests took its slots. (The slot model: a stream whose first token was sent ends its decode after it,
 any other request a slot's hold after its start, and a slot taken again is held for another.)
 A retry that takes its place back queues by when the place was promised (``Ticket.since``): behind
 the tickets that asked before (its Retry-After counted them), ahead of its tenant's newer work (which
@@ -102,6 +104,11 @@ SDK_RETRY_AFTER_MAX_S = 120.0
 # Of the timeout a client declares (``Ticket.gone_at``, ``done_by``) the gateway budgets for this share: the
 # client's clock started before ours.
 CLIENT_TIMEOUT_SHARE = 0.95
+# A Retry-After carries a margin of this many dispatch intervals past the place it promises (slots end later
+# than priced as often as sooner), in seconds at most ``RETRY_MARGIN_MAX_S``: four intervals were 80 ms on a
+# simulated A100's pool and 10 s on a 2-core CPU vLLM's, where the slots freed before the retry came back.
+RETRY_MARGIN_PLACES = 4
+RETRY_MARGIN_MAX_S = 2.0
 QUEUE_SAFETY = 0.75  # queue only when the predicted wait leaves a quarter of the budget spare (slots free in clumps)
 State = Literal["new", "queued", "admitted", "released", "shed", "cancelled"]
 
@@ -800,20 +807,23 @@ class PoolQueue:
         full_budget = max(0.0, self.ttft_budget(t, t.arrival))
         # How far past what its budget can wait the first place it could take frees (> 0 in a pool
         # full of requests that started together: they end together, so slots free in clumps).
-        first = (self._place_wait(1, t, now) or 0.0) - QUEUE_SAFETY * self.budget(t, t.arrival)
+        budget = self.budget(t, t.arrival)
+        first = (self._place_wait(1, t, now) or 0.0) - QUEUE_SAFETY * budget
         if rate:
-            # + 2 dispatch intervals of margin: a retry told the exact boundary would miss half the time.
-            # (Against the E2E-bound ``budget`` instead of the TTFT one, retries come back later: in the
-            # autoscale what-if, whose SLO counts from the first send, attainment fell from 98.5% to 87.9%.)
+            # + 4 dispatch intervals of margin, at most ``RETRY_MARGIN_MAX_S``: a retry told the exact boundary
+            # would miss half the time. (Against the E2E-bound ``budget`` instead of the TTFT one, retries come
+            # back later: in the autoscale what-if, whose SLO counts from the first send, attainment fell from
+            # 98.5% to 87.9%.)
+            margin = min(RETRY_MARGIN_PLACES / rate, RETRY_MARGIN_MAX_S)
             promised = round(self._promised_before(t.since))
             ahead = self.ahead_of(t)
-            behind_all = ahead + promised + 4 - max(0, self.free(t.cls, t.tenant))
-            retry = max(0.0, behind_all / rate - QUEUE_SAFETY * full_budget)
+            behind_all = ahead + promised - max(0, self.free(t.cls, t.tenant))
+            retry = max(0.0, behind_all / rate + margin - QUEUE_SAFETY * full_budget)
             if first > 0:
                 # The fluid drain starts only when that first place frees: from a burst's first seconds
                 # it said "now" where the first slot was 3.8 s away, and each shed client spent its three
                 # retries in 0.15 s against the same full pool.
-                retry = max(retry, first + (promised + 4) / rate)
+                retry = max(retry, first + promised / rate + margin)
             if self.running:
                 # Nor before the slot model frees the place behind every promised one (less the same share
                 # of the TTFT budget a returning retry may queue for): continuous batching releases in
@@ -822,9 +832,18 @@ class PoolQueue:
                 # burst-retry cell, 24 seeds: 69.2% -> 75.3% of first retries admitted; the what-if day's
                 # attainment unchanged. Tried in session 24, when ghost places still stacked every
                 # Retry-After, it cost the day: docs/benchmarks.md section 7, session 31.)
+                # And no later than the margin past that place: where slots free in a clump, the fluid
+                # spaced the promised places a dispatch interval apart past its end, and the slots it freed
+                # went to new requests, which count only the places due within their own budget (recorded
+                # real runs' replicas, a 2-core CPU vLLM with 7-8 slots held ~17 s, a slot every 2.4 s:
+                # retries told 5-14 s past a clump that ended 3 s after the first of them was shed; first
+                # retries' clients served 1,090 -> 1,230 over eight hosts x six seeds; docs/benchmarks.md
+                # section 7, session 56).
                 behind = self._place_wait(ahead + promised + 1, t, now)
                 if behind is not None:
                     retry = max(retry, behind - QUEUE_SAFETY * full_budget)
+                    # (the later of the two budgets' places, as ``first`` may be)
+                    retry = min(retry, behind - QUEUE_SAFETY * min(full_budget, budget) + RETRY_MARGIN_MAX_S)
         else:
             retry = 1.0
         retry = max(retry, first, 0.05)
