@@ -836,9 +836,8 @@ class PoolQueue:
                 # spaced the promised places a dispatch interval apart past its end, and the slots it freed
                 # went to new requests, which count only the places due within their own budget (recorded
                 # real runs' replicas, a 2-core CPU vLLM with 7-8 slots held ~17 s, a slot every 2.4 s:
-                # retries told 5-14 s past a clump that ended 3 s after the first of them was shed; first
-                # retries' clients served 1,090 -> 1,230 over eight hosts x six seeds; docs/benchmarks.md
-                # section 7, session 56).
+                # retries told 5-14 s past a clump of slots that freed within 3 s; the retrying clients
+                # served 1,276 -> 1,425 over nine hosts x six seeds; docs/benchmarks.md section 7, session 56).
                 behind = self._place_wait(ahead + promised + 1, t, now)
                 if behind is not None:
                     retry = max(retry, behind - QUEUE_SAFETY * full_budget)
