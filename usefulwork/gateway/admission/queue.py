@@ -55,8 +55,9 @@ and no place is promised before the slot model frees the place behind every prom
 share of the TTFT budget a returning retry may queue for: a pool refilled in a clump frees nothing for
 a whole service time. Nor more than ``RETRY_MARGIN_MAX_S`` after that place: where a clump frees its
 slots within seconds, the fluid's spacing, a dispatch interval per promised place, told retries to come
-back after the clump, and new requests took its slots. (The slot model: a stream whose first token was sent ends its decode after it,
-any other request a slot's hold after its start, and a slot taken again is held for another.)
+back after the clump, and new requests took its slots. (The slot model: a stream whose first token was
+sent ends its decode after it, any other request a slot's hold after its start, and a slot taken again
+is held for another.)
 A retry that takes its place back queues by when the place was promised (``Ticket.since``): behind
 the tickets that asked before (its Retry-After counted them), ahead of its tenant's newer work (which
 counted its place as work ahead).
