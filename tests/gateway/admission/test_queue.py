@@ -801,6 +801,36 @@ def test_live_decode_speed_cuts_the_limit_before_any_request_ends():
     assert cap.live_tpot is None and cap.decreases == 1
 
 
+def test_a_live_cut_read_as_a_burst_drains_scales_what_ran_while_the_figure_was_measured(caplog):
+    """The live figure is the mean over the last scrape intervals. Read as a burst drains, it describes
+    the 20 that ran then, not the 6 left: cut in proportion to those 6, the limit went from 15.7 to 4.8
+    per replica and stayed there for the ten answers a cut waits for (the real CPU vLLM, session 57)."""
+    class R:
+        healthy = True
+        scrapes = 0
+        itl_live = None
+
+    r = R()
+    cap = Capacity(AdmissionCfg(initial_concurrency=20), *SLO, replicas=lambda: [r])  # cuts over 86 ms
+    q = PoolQueue("p", cap, e2e_slo_s=SLO[2])
+    cap.service = 20.0
+    for i in range(20):
+        assert q.offer(ticket(0.0), 0.0).kind == "admit"
+    for k in range(1, 4):  # three scrapes, 2 s apart, the pool full: under target
+        r.scrapes, r.itl_live = k, 0.08
+        q.offer(ticket(2.0 * k), 2.0 * k)
+    assert cap.decreases == 0 and q.inflight == 20
+    running = sorted(q.running, key=lambda t: t.arrival)
+    for j, t in enumerate(running[:14]):  # the burst drains in the last half second: 6 left
+        q.release(t, 6.5 + j / 30)
+    r.scrapes, r.itl_live = 4, 0.16  # the window's figure (what the 20 decoded at) over the cut mark
+    with caplog.at_level("INFO", logger="usefulwork.admission"):
+        q.offer(ticket(7.0), 7.0)
+    assert cap.decreases == cap.live_decreases == 1
+    # about 19.2 in flight over the window (2 s to 7 s): 19.2 x 86 / 160, where 6 x 86 / 160 = 3.2 cut it before
+    assert cap.limit == pytest.approx(cap._window_load(7.0, 6) * 0.086 / 0.16) and 10.0 < cap.limit < 11.0
+    assert "6 in flight (19.2 over the figure's window)" in caplog.text
+
 def test_a_bursts_prefills_are_judged_at_a_full_pools_turnover_not_at_the_bursts_peak(caplog):
     """While a burst's prompts are prefilled, every running token waits for them: the live figure is the
     peak's. Once the pool is full, prompts come only as slots free, so an admitted request sees a full

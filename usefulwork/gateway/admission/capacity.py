@@ -73,6 +73,7 @@ FILL_TTFT_FACTOR = 3.0  # batch fills the pool while the service TTFT stays with
 INTERACTIVE_YIELD = 0.9  # batch yields once interactive answers take this share of the E2E target
 LOAD_EWMA = 0.2  # weight of a new sample in a load band's TPOT (``Capacity.tpot_at``)
 LOAD_BAND_WEIGHT = 10  # the most samples a load band counts as in the line's fit
+LOADS_KEPT = 100_000  # ``Capacity._loads``' bound where no scrape comes to prune it (a replica's metrics down)
 CUT_KEEP_MAX = 0.9  # a cut keeps at most this share of a limit (cuts at least 10%)...
 CUT_KEEP_MIN = 0.5  # ...and at least this share (at most halves it)
 
@@ -153,6 +154,9 @@ class Capacity:
         self._live_seen: dict[int, int] = {}  # id(replica) -> its scrape count when last judged
         self._scrape_times: deque[float] = deque(maxlen=LIVE_SCRAPES)  # when the last scrapes were judged
         self._admits: deque[float] = deque()  # when requests were admitted (their prompts sent), the last minute
+        # (time, requests in flight until then) at each ``judge_live`` call since the oldest judged scrape:
+        # what ran while the live figures were measured (``_window_load``)
+        self._loads: deque[tuple[float, int]] = deque(maxlen=LOADS_KEPT)
         self.live_tpot_peak: float | None = None  # the slowest replica's live figure as read (before ``_lifetime``)
         self._turnover: tuple[float, float, float] | None = None  # ``_lifetime``'s last pricing: (judged, prefill, share)
         self.live_decreases = 0
@@ -427,6 +431,7 @@ class Capacity:
         Called by the queue on every arrival and release (cheap: a look at each replica's scrape counter)."""
         reps = self._reps()
         self.load_now = inflight / self.count(reps)
+        self._loads.append((now, inflight))
         seen = {id(r): getattr(r, "scrapes", 0) for r in reps}
         if seen == self._live_seen:
             return
@@ -434,6 +439,8 @@ class Capacity:
         lives = _healthy_figures(reps, "itl_live")
         live = self.live_tpot_peak = max(lives, default=None)
         self._scrape_times.append(now)
+        while len(self._loads) > 1 and self._loads[1][0] <= self._scrape_times[0]:
+            self._loads.popleft()  # (the first kept one closes the span's first stretch)
         model = None
         if live is not None:
             live, model = self._lifetime(live, now)
@@ -456,19 +463,20 @@ class Capacity:
         if live is None or live <= self.tpot_cut or self.service is None:
             return
         n = self.count(reps)
+        ran = max(inflight, self._window_load(now, inflight))
         if self.priority_scheduling and inflight / n > self.limit and self.batch_limit > self.limit:
             # Batch work beyond the SLO limit is what slows the decode: it yields first, as for late
             # interactive answers (``interactive_late``). Cutting the SLO limit instead left interactive
             # work one slot: on the real CPU vLLM's 2x cell the SLO limit went to 1.7 per replica in three
             # live cuts while the fill limit stayed at 24, and interactive requests queued 3.4 s and were shed.
             if now - self.last_batch_decrease >= self.service:
-                self._cut_fill(min(self.batch_limit, inflight / n) * _kept(self.tpot_cut / live), now,
-                               self._live_why(live, inflight))
+                self._cut_fill(min(self.batch_limit, ran / n) * _kept(self.tpot_cut / live), now,
+                               self._live_why(live, inflight, ran))
                 self.live_decreases += 1
             return
         if now - self.last_decrease < self.service:
             return
-        new = self._cut_to(min(self.limit, inflight / n), live / self.tpot_cut, n)
+        new = self._cut_to(min(self.limit, ran / n), live / self.tpot_cut, n)
         if model is not None:
             # Judged at a full pool's turnover, the figure is ``decode + limit x per_slot``: the cut goes to
             # the limit at which that meets the target, if that leaves more than the proportional cut (and
@@ -479,8 +487,25 @@ class Capacity:
             decode, per_slot = model
             new = max(new, min((self.tpot_cut - decode) / per_slot, CUT_KEEP_MAX * self.limit))
         if new < self.limit:
-            self._cut(new, now, self._live_why(live, inflight))
+            self._cut(new, now, self._live_why(live, inflight, ran))
             self.live_decreases += 1
+
+    def _window_load(self, now: float, inflight: int) -> float:
+        """The requests in flight over the span the live figures cover (the last judged scrapes), a time-weighted
+        mean; ``inflight`` where no span is known yet. A live cut scales the larger of this and what runs now:
+        the figure was measured on what ran, and read as a burst drained, the figure of 15-22 in flight cut
+        the SLO limit in proportion to the 6 left (15.7 -> 4.8 per replica); it held there for the ten
+        answers a cut waits for, 50 s at that limit, and shed the next burst (the real CPU vLLM on an Intel
+        AMX host, session 57). While a burst is admitted, what runs now is the larger (the rule before)."""
+        if len(self._scrape_times) < 2:
+            return float(inflight)
+        start = self._scrape_times[0]
+        area, prev = 0.0, start
+        for t, k in self._loads:  # each call's count held from the call before it until the call
+            if t > prev:
+                area += k * (t - prev)
+                prev = t
+        return area / (now - start) if now > start else float(inflight)
 
     def note_admit(self, now: float) -> None:
         """A request was admitted: its prompt goes to a replica now (``_lifetime`` counts them)."""
@@ -530,7 +555,7 @@ class Capacity:
             return live, None
         return judged, (decode, pe / out)
 
-    def _live_why(self, live: float, inflight: int) -> str:
+    def _live_why(self, live: float, inflight: int, ran: float) -> str:
         peak = self.live_tpot_peak
         read = (f" (read {peak * 1e3:.0f} ms, a burst's prefills judged at a full pool's)"
                 if peak and round(peak * 1e3) > round(live * 1e3) else "")
@@ -538,7 +563,8 @@ class Capacity:
             judged, pe, share = self._turnover
             read = (f" (a full pool's turnover prices {judged * 1e3:.0f} ms: {pe:.2f} s a prefill, "
                     f"{share:.0%} of the window's time on this gateway's prefills)")
-        return f"live decode {live * 1e3:.0f} ms a token{read} over the {self.tpot_cut * 1e3:.0f} ms cut mark, {inflight} in flight"
+        base = f" ({ran:.1f} over the figure's window)" if round(ran, 1) != inflight else ""
+        return f"live decode {live * 1e3:.0f} ms a token{read} over the {self.tpot_cut * 1e3:.0f} ms cut mark, {inflight} in flight{base}"
 
     def observe_first_token(self, ttft: float, ahead: float, inflight_at_admit: int = 0,
                             max_tokens: int | None = None) -> None:
