@@ -74,6 +74,31 @@ def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget():
     assert plan.items[0].num_new_tokens == 3000 and r.first_token_time is not None
 
 
+def test_the_long_prefill_cap_chunks_every_prompt_but_a_lone_one_and_a_running_chunk_goes_first():
+    """vLLM 0.32's ``long_prefill_token_threshold``: off in a step with one request; else each prompt's
+    chunk is capped, and a running prompt's next chunk is scheduled before any waiting request, urgent
+    or not, which only shares the steps that follow."""
+    eng = engine_for("optimized-batched", long_prefill_token_threshold=128, scheduling_policy="priority")
+    batch = eng.add_request(prompt(0, 512), 4, ignore_eos=True, arrival_time=0.0, priority=1)
+    plan = None
+    while plan is None or not plan.items:
+        plan = eng.step()
+    assert [it.num_new_tokens for it in plan.items] == [512]  # alone: the whole prompt in one step
+    eng.run_until_idle()
+    first = eng.add_request(prompt(10_000, 512), 4, ignore_eos=True, arrival_time=eng.now, priority=1)
+    eng.add_request(prompt(20_000, 512), 4, ignore_eos=True, arrival_time=eng.now, priority=1)
+    plan = None
+    while plan is None or not plan.items:
+        plan = eng.step()
+    assert [it.num_new_tokens for it in plan.items] == [128, 128]  # two waiting: each capped
+    urgent = eng.add_request(prompt(30_000, 512), 4, ignore_eos=True, arrival_time=eng.now, priority=0)
+    plan = eng.step()
+    while not any(it.req is urgent for it in plan.items):  # (the API front-end's delay)
+        plan = eng.step()
+    # the running chunks first, then the urgent prompt in what budget is left, capped like them
+    assert [(it.req is urgent, it.num_new_tokens) for it in plan.items] == [(False, 128), (False, 128), (True, 128)]
+    assert first.first_token_time is None and batch.status == Status.FINISHED
+
 def test_prefix_cache_hits_full_blocks_and_counts_queries_and_hits():
     eng = engine_for("optimized-batched")
     shared = prompt(0, 512)

@@ -9,6 +9,10 @@ V1 (``scheduler: v1``), one call to ``schedule`` = one engine step:
    ``max_num_seqs`` requests and token budget is left: prefix-cache lookup, then the prompt
    (chunked to the budget when chunked prefill is on; without it, a prompt that does not fit
    the remaining budget waits). A waiting request whose blocks do not fit stops admission.
+   ``long_prefill_token_threshold`` caps every request's prefill chunk, running and waiting alike,
+   except in a step with one request running or waiting (vLLM 0.32: nobody to starve). A running
+   request's next chunk always comes before a waiting request, whatever their priorities: a
+   smaller chunk cannot let an urgent prompt past a prompt already being prefilled, only share its steps.
 
 V0 prefill-first (``scheduler: v0-prefill-first``, vLLM <= 0.5 default without chunked prefill):
 if any waiting request can be admitted (whole prompt within the token budget, blocks free),
@@ -174,10 +178,10 @@ class Scheduler:
             return self._schedule_v0()
         return self._schedule_v1()
 
-    def _chunk(self, wanted: int, budget: int) -> int:
+    def _chunk(self, wanted: int, budget: int, threshold: int) -> int:
         n = min(wanted, budget)
-        if self.long_prefill_threshold and wanted > 1:
-            n = min(n, self.long_prefill_threshold)
+        if threshold and wanted > 1:
+            n = min(n, threshold)
         return n
 
     def _allocate_or_preempt(self, req, num_tokens: int, preempted: list) -> bool:
@@ -215,12 +219,14 @@ class Scheduler:
 
     def _schedule_v1(self) -> StepPlan:
         budget = self.max_num_batched_tokens
+        # (vLLM V1 drops the long-prefill cap for a step with one request running or waiting: nobody to starve)
+        threshold = self.long_prefill_threshold if len(self.running) + len(self.waiting) > 1 else 0
         items: list[ScheduledItem] = []
         preempted: list[SimRequest] = []
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._chunk(req.num_tokens - req.num_computed_tokens, budget, threshold)
             before = len(preempted)
             ok = self._allocate_or_preempt(req, req.num_computed_tokens + n, preempted)
             for victim in preempted[before:]:  # by priority, a victim may be one scheduled earlier this step
@@ -244,7 +250,7 @@ class Scheduler:
                 if not self.chunked and wanted > budget:
                     self._undo_lookup(req, hits)
                     break
-                n = self._chunk(wanted, budget)
+                n = self._chunk(wanted, budget, threshold)
                 if not self.kv.allocate(req, req.num_computed_tokens + n, hits):
                     self._undo_lookup(req, hits)
                     break
