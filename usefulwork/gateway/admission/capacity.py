@@ -424,8 +424,8 @@ class Capacity:
         20 s before the first one said so. vLLM's ``inter_token_latency_seconds`` histogram is observed
         per decoded token, so its mean over the last few scrape intervals (``Replica.itl_live``) is the
         TPOT of what runs now. Each new scrape is judged once: over ``tpot_cut`` it cuts the limit as a
-        late tail would (in proportion, at least 10%, at most half, once per service time), from what is in flight
-        if that is under the limit; it also holds growth (``_load``) and prices the queue's waits
+        late tail would (in proportion, at least 10%, at most half, once per service time), from what ran while
+        it was measured (``_window_load``) if that is under the limit; it also holds growth (``_load``) and prices the queue's waits
         (``est_e2e``). Under priority scheduling, with batch work holding slots beyond the SLO limit, the
         fill limit is cut instead (batch yields first; the SLO limit is what interactive work uses).
         Called by the queue on every arrival and release (cheap: a look at each replica's scrape counter)."""
