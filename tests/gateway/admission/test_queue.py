@@ -828,7 +828,7 @@ def test_a_live_cut_read_as_a_burst_drains_scales_what_ran_while_the_figure_was_
         q.offer(ticket(7.0), 7.0)
     assert cap.decreases == cap.live_decreases == 1
     # about 19.2 in flight over the window (2 s to 7 s): 19.2 x 86 / 160, where 6 x 86 / 160 = 3.2 cut it before
-    assert cap.limit == pytest.approx(cap._window_load(7.0, 6) * 0.086 / 0.16) and 10.0 < cap.limit < 11.0
+    assert 10.0 < cap.limit < 11.0 and cap.limit == pytest.approx(cap._window_load(7.0, 6) * 0.086 / 0.16)
     assert "6 in flight (19.2 over the figure's window)" in caplog.text
 
 def test_a_bursts_prefills_are_judged_at_a_full_pools_turnover_not_at_the_bursts_peak(caplog):
