@@ -31,6 +31,21 @@ def ticket(now: float, tenant: str = "a", cls: int = 0, deadline_s: float = 2.0,
     return Ticket(tenant, cls, tokens, now, now + deadline_s, max_tokens=None)
 
 
+class LiveReplica:
+    """A replica whose /metrics reads a test feeds by hand (``scrapes``, ``itl_live``)."""
+
+    healthy = True
+    scrapes = 0
+    itl_live = None
+
+
+def live_pool(limit: int) -> tuple[LiveReplica, Capacity, PoolQueue]:
+    """A queue over one such replica, its SLO limit ``limit`` (the TPOT's cut mark at 86 ms)."""
+    r = LiveReplica()
+    cap = Capacity(AdmissionCfg(initial_concurrency=limit), *SLO, replicas=lambda: [r])
+    return r, cap, PoolQueue("p", cap, e2e_slo_s=SLO[2])
+
+
 def test_admit_queue_then_shed_at_arrival_with_retry_after():
     q = make_queue(limit=4, service_s=1.0)  # 4 slots, each held 1 s
     decisions = [q.offer(ticket(0.0), 0.0).kind for _ in range(4)]
@@ -766,14 +781,7 @@ def test_capacity_kv_cap_and_saturation_from_replica_metrics():
 def test_live_decode_speed_cuts_the_limit_before_any_request_ends():
     """A CPU vLLM's decode slows with each running sequence; answers end 20 s after admission, so only
     the replicas' live inter-token latency can stop a burst from being admitted past the TPOT SLO."""
-    class R:
-        healthy = True
-        scrapes = 0
-        itl_live = None
-
-    r = R()
-    cap = Capacity(AdmissionCfg(initial_concurrency=30), *SLO, replicas=lambda: [r])  # cuts over 86 ms
-    q = PoolQueue("p", cap, e2e_slo_s=SLO[2])
+    r, cap, q = live_pool(30)  # cuts over 86 ms
     r.scrapes, r.itl_live = 1, 0.5
     q.offer(ticket(0.0), 0.0)
     assert cap.limit == 30 and cap.decreases == 0  # no round trip measured yet (cold): no verdict
@@ -805,14 +813,7 @@ def test_a_live_cut_read_as_a_burst_drains_scales_what_ran_while_the_figure_was_
     """The live figure is the mean over the last scrape intervals. Read as a burst drains, it describes
     the 20 that ran then, not the 6 left: cut in proportion to those 6, the limit went from 15.7 to 4.8
     per replica and stayed there for the ten answers a cut waits for (the real CPU vLLM, session 57)."""
-    class R:
-        healthy = True
-        scrapes = 0
-        itl_live = None
-
-    r = R()
-    cap = Capacity(AdmissionCfg(initial_concurrency=20), *SLO, replicas=lambda: [r])  # cuts over 86 ms
-    q = PoolQueue("p", cap, e2e_slo_s=SLO[2])
+    r, cap, q = live_pool(20)  # cuts over 86 ms
     cap.service = 20.0
     for i in range(20):
         assert q.offer(ticket(0.0), 0.0).kind == "admit"
@@ -837,14 +838,9 @@ def test_a_bursts_prefills_are_judged_at_a_full_pools_turnover_not_at_the_bursts
     pool's turnover of prefills over its life: the limit's prompts, spread over its tokens. (On the real
     CPU vLLM two live cuts took the limit from 27 to 14.6 in a burst whose admitted answers decoded at
     77-100 ms against the 112 ms target.)"""
-    class R:
-        healthy = True
-        scrapes = 0
-        itl_live = None
-
     def burst(itl: float, prompts: int, span: float = 4.0, limit: float = 20, service: float = 10.0,
               out: float = 125.0) -> Capacity:
-        r = R()
+        r = LiveReplica()
         # (no hold band: cut over the 75 ms growth target, as the figures below are)
         cap = Capacity(AdmissionCfg(initial_concurrency=limit, tpot_cut_fraction=0.75), *SLO, replicas=lambda: [r])
         cap.service, cap.prefill_each, cap.out_mean = service, 0.25, out
