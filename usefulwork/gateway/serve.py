@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from usefulwork.config import Config, ConfigError, LocalFleet, load, with_local_pool
+from usefulwork.tasks import raise_exit
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
@@ -240,7 +241,7 @@ def describe(cfg: Config) -> str:
 def _terminate(signum, frame) -> None:
     # uvicorn handles SIGTERM gracefully, then re-raises it once it has shut down; without this
     # handler that re-raise kills the process before `finally` stops the embedded vLLM.
-    raise SystemExit(0)
+    raise_exit(0)
 
 
 def setup_logging(level: str) -> None:

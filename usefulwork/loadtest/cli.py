@@ -29,6 +29,7 @@ from rich.console import Console
 
 from usefulwork.loadtest.arrivals import PROCESSES, ArrivalError
 from usefulwork.loadtest.workloads import WorkloadError
+from usefulwork.tasks import raise_exit
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
@@ -113,7 +114,7 @@ def _fail(console: Console, msg: str) -> int:
 
 
 def _stop_on_sigterm(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)
+    raise_exit(128 + signum)
 
 
 def run(args: argparse.Namespace) -> int:
