@@ -77,6 +77,24 @@ def test_the_probe_estimates_the_simulated_servers_capacity_and_scales_every_rat
     assert fast.cases["burst"]["arrival"]["period_s"] == 10 and fast.cases["burst"]["arrival"]["peak_rate"] == pytest.approx(22 * s)
 
 
+def test_a_repeated_probe_takes_each_figure_as_the_median_of_its_passes(tmp_path):
+    """repeats: 3 sends the lone prompt and the prompts together three times in turn; every figure is the
+    median of its passes, and the record keeps each pass's figures."""
+    f = tmp_path / "rep.yaml"
+    f.write_text(CALIBRATED.format(gpu="A100-80G").replace("concurrency: 16}", "concurrency: 16, repeats: 3}"))
+    exp = load_experiment(str(f))
+    data = run_experiment(exp, Options(out_dir=tmp_path / "rep", quiet=True, use_gateway=False), Console(quiet=True))
+    p = data["calibration"]["probe"]
+    assert set(p["samples"]) == {"prefill_s", "decode_1_s", "decode_n_s", "together_first_s"}
+    for k, passes in p["samples"].items():
+        assert len(passes) == 3 and p[k] == sorted(passes)[1], k
+    assert 0.5 < p["together_first_s"] < 1.2 and p["decode_n_s"] >= p["decode_1_s"]
+    assert 7.0 < data["calibration"]["estimated_capacity_rps"] < 16.0
+    # one pass (the default) records no samples, as before
+    _, once = _run(tmp_path, "A100-80G")
+    assert once["calibration"]["probe"]["samples"] == {}
+
+
 def test_a_given_rate_scale_skips_the_probe(tmp_path):
     exp, data = _run(tmp_path, "A100-80G", rate_scale=0.5)
     assert data["calibration"] == {"rate_scale": 0.5, "time_scale": 0.5, "given": True}
@@ -150,7 +168,8 @@ def test_the_step_model_is_fitted_from_the_probe():
 
 def test_bad_calibrate_blocks_name_the_field(tmp_path):
     for bad in ("{sized_for_rps: 0}", "{sized_for_rps: fast}", "{sized_for_rps: 1, concurrency: 1}", "{rps: 1}", "7",
-                "{sized_for_rps: 1, speed_margin: 1.5}", "{sized_for_rps: 1, speed_margin: true}"):
+                "{sized_for_rps: 1, speed_margin: 1.5}", "{sized_for_rps: 1, speed_margin: true}",
+                "{sized_for_rps: 1, repeats: 0}", "{sized_for_rps: 1, repeats: 2.5}", "{sized_for_rps: 1, repeats: true}"):
         f = tmp_path / "bad.yaml"
         f.write_text(CALIBRATED.format(gpu="A100-80G").replace("{sized_for_rps: 11, concurrency: 16}", bad))
         with pytest.raises(ExperimentError, match="calibrate takes sized_for_rps"):

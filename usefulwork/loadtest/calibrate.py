@@ -41,7 +41,8 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import asdict, dataclass
+import statistics
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from usefulwork.backends.sim.catalog import build_spec
@@ -73,6 +74,7 @@ class Probe:
     base_s: float = 0.0  # a lone one-word prompt's time to first token: the API's own time and one step
     prompt_tokens: int = 512
     together_first_s: float = 0.0  # from sending ``concurrency`` prompts at once to the last one's first token
+    samples: dict[str, list[float]] = field(default_factory=dict)  # each repeat's figures (the fields are their medians)
 
     @property
     def stall_s(self) -> float:
@@ -210,11 +212,16 @@ def _ok(out: RunOutput, want: int) -> list:
 
 
 def probe(url: str, model: str, workload: Workload, concurrency: int, timeout_s: float, tiny: Workload,
-          time_scale: float = 1.0, seed: int = 0, prompt_tokens: int = 512) -> Probe:
+          time_scale: float = 1.0, seed: int = 0, prompt_tokens: int = 512, repeats: int = 1) -> Probe:
     """Measure ``Probe`` on the server at ``url`` with ``workload``'s prompts of ``prompt_tokens`` (``tiny``: a one-word prompt,
     two tokens out; ``time_scale``: a simulator's simulated seconds per wall second, the figures come back
     in simulated seconds). Times per token are means over spans (a stream may deliver several tokens in
-    one read), not medians of gaps."""
+    one read), not medians of gaps.
+
+    With ``repeats`` > 1 the lone prompt and the prompts sent together are sent that many times in turn and
+    each figure is the median of its repeats (``samples`` keeps them all): one pass is a few seconds of a
+    shared host, and the slope of the decode step (``D(n) - D(1)``, a difference of two such samples) sets
+    the capacity of a decode-bound server."""
     from usefulwork.loadtest.experiment import rescale
 
     target = Target(url, model)
@@ -226,8 +233,27 @@ def probe(url: str, model: str, workload: Workload, concurrency: int, timeout_s:
 
     base = run(1, seed + 2, tiny)[0]  # a fresh server's first answer is slower: counted only if it is not
     base = min(base, run(1, seed + 3, tiny)[0], key=lambda r: r.ttft)
-    alone = run(1, seed)[0]
-    together = run(concurrency, seed + 1)
+    samples: dict[str, list[float]] = {"prefill_s": [], "decode_1_s": [], "decode_n_s": [], "together_first_s": []}
+    outs = []
+    for k in range(max(1, repeats)):
+        s = seed + 10 * k
+        alone = run(1, s)[0]
+        together = run(concurrency, s + 1)
+        first, decode_n = _together(together)
+        samples["prefill_s"].append(alone.ttft)
+        samples["decode_1_s"].append(sum(alone.itl) / len(alone.itl))
+        samples["decode_n_s"].append(decode_n)
+        samples["together_first_s"].append(first)
+        outs.append(alone.output_tokens or len(alone.itl) + 1)
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    return Probe(prefill_s=med["prefill_s"], decode_1_s=med["decode_1_s"], concurrency=concurrency,
+                 decode_n_s=med["decode_n_s"], output_tokens=outs[0], base_s=base.ttft, prompt_tokens=prompt_tokens,
+                 together_first_s=med["together_first_s"], samples=samples if repeats > 1 else {})
+
+
+def _together(together: list) -> tuple[float, float]:
+    """Prompts sent at once: the time to the last one's first token, and the mean time per token of the
+    steps begun after it (every prompt's prefill done)."""
     last_first = max(r.sent + r.ttft for r in together)
     sent = min(r.sent for r in together)
     span, tokens = 0.0, 0
@@ -240,9 +266,7 @@ def probe(url: str, model: str, workload: Workload, concurrency: int, timeout_s:
             t += g
     if not tokens:
         raise CalibrationError("no token came after the last prompt's prefill: raise output_tokens or lower concurrency")
-    return Probe(prefill_s=alone.ttft, decode_1_s=sum(alone.itl) / len(alone.itl), concurrency=concurrency,
-                 decode_n_s=span / tokens, output_tokens=alone.output_tokens or len(alone.itl) + 1, base_s=base.ttft,
-                 prompt_tokens=prompt_tokens, together_first_s=last_first - sent)
+    return last_first - sent, span / tokens
 
 
 def scale_for(p: Probe, sized_for_rps: float, slo: Any, margin: float = 0.0) -> dict[str, Any]:

@@ -252,12 +252,14 @@ def load_experiment(name_or_path: str) -> Experiment:
     cal = raw.get("calibrate")
     if cal is not None:
         margin = cal.get("speed_margin", 0.0) if isinstance(cal, dict) else None
-        if not isinstance(cal, dict) or set(cal) - {"sized_for_rps", "concurrency", "timeout_s", "speed_margin"} \
+        repeats = cal.get("repeats", 1) if isinstance(cal, dict) else None
+        if not isinstance(cal, dict) or set(cal) - {"sized_for_rps", "concurrency", "timeout_s", "speed_margin", "repeats"} \
                 or not isinstance(cal.get("sized_for_rps"), (int, float)) or cal["sized_for_rps"] <= 0 \
                 or not isinstance(cal.get("concurrency", 8), int) or cal.get("concurrency", 8) < 2 \
-                or isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+                or isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1 \
+                or isinstance(repeats, bool) or not isinstance(repeats, int) or not 1 <= repeats <= 9:
             raise ExperimentError(f"{src}: calibrate takes sized_for_rps (req/s > 0), and optionally concurrency "
-                                  "(an integer >= 2), timeout_s and speed_margin (0 <= m < 1)")
+                                  "(an integer >= 2), timeout_s, speed_margin (0 <= m < 1) and repeats (1 to 9)")
     exp = Experiment(name=raw.get("name", path.stem), source=src, description=raw.get("description", ""),
                      backend=backend, slo=slo, seed=int(raw.get("seed", 0)), profiles=profiles,
                      shapes=copy.deepcopy(shapes), cases=copy.deepcopy(cases), compare=raw.get("compare") or {}, raw=raw,
@@ -722,7 +724,7 @@ def calibration(exp: Experiment, profile: Profile, url: str, console: Console) -
     p = calibrate.probe(url, served_name(exp), wl, int(cal.get("concurrency", 8)), float(cal.get("timeout_s", 300.0)),
                         workloads.from_spec({"type": "synthetic", "prompt_tokens": 1, "output_tokens": 2}),
                         time_scale(exp, profile), seed=cell_seed(exp.seed, shape["name"], "calibrate"),
-                        prompt_tokens=round(wl.prompt_tokens.expected))
+                        prompt_tokens=round(wl.prompt_tokens.expected), repeats=int(cal.get("repeats", 1)))
     rec = calibrate.scale_for(p, float(cal["sized_for_rps"]), exp.slo, float(cal.get("speed_margin", 0.0)))
     rec["time_scale"] = clock_for(rec["rate_scale"])
     rec["wall_s"] = time.monotonic() - t0
@@ -734,8 +736,30 @@ def calibration(exp: Experiment, profile: Profile, url: str, console: Console) -
                   f"{rec['speed_margin']:.0%} slower than probed (simulated there: "
                   f"{at['attainment']:.1%} within the SLO, p95 TTFT {at['p95_ttft_s']:.2f}s, TPOT "
                   f"{at['p95_tpot_s'] * 1e3:.0f} ms) against rates sized for {rec['sized_for_rps']:g}: "
-                  f"rates x{rec['rate_scale']:.3g}, durations / {rec['time_scale']:.3g}", highlight=False)
+                  f"rates x{rec['rate_scale']:.3g}, durations / {rec['time_scale']:.3g}" + _spread(p), highlight=False)
     return rec
+
+
+def sending_s(exp: Experiment, cells: list) -> float:
+    """The cells' planned sending time in wall seconds: each one's duration, or its requests over its rate
+    (a closed loop's count has no planned time); each cell then drains for up to its timeout."""
+    total = 0.0
+    for p, _, c in cells:
+        rate = (c.arrival or {}).get("rate") or 0.0
+        if c.duration_s is not None:
+            total += c.duration_s / time_scale(exp, p)
+        elif c.num_requests and rate > 0:
+            total += c.num_requests / rate / time_scale(exp, p)
+    return total
+
+
+def _spread(p: Any) -> str:
+    """The repeats' range where the probe took more than one (the figures above are their medians)."""
+    if not p.samples:
+        return ""
+    dn, tf = p.samples["decode_n_s"], p.samples["together_first_s"]
+    return (f" (medians of {len(dn)} passes: decode with {p.concurrency} {min(dn) * 1e3:.0f}-{max(dn) * 1e3:.0f} ms, "
+            f"first tokens {min(tf):.2f}-{max(tf):.2f}s)")
 
 
 def run_experiment(exp: Experiment, opts: Options, console: Console) -> dict[str, Any]:
@@ -806,6 +830,8 @@ def run_experiment(exp: Experiment, opts: Options, console: Console) -> dict[str
                     exp.scale_rates(cal["rate_scale"], cal["time_scale"])
                     cells_plan = plan(exp, opts)
                     data["meta"]["rates"] = f"x{cal['rate_scale']:.3g} (calibrated)"
+                    console.print(f"at this scale the {len(cells_plan)} cells send for {sending_s(exp, cells_plan) / 60:.0f} "
+                                  "min (each then drains for up to its timeout)", highlight=False)
                 for p, shape, case in cells_plan:
                     if p is not profile:
                         continue
@@ -878,6 +904,10 @@ def main(args: argparse.Namespace, console: Console) -> int:
         for p, s, c in cells:
             console.print(f"{s['name']:>10} {c.name:<24} {p.name:<18} arrival={c.arrival} concurrency={c.concurrency} "
                           f"duration={c.duration_s} n={c.num_requests} timeout={c.timeout_s}", highlight=False, soft_wrap=True)
+        console.print(f"{len(cells)} cells send for {sending_s(exp, cells) / 60:.1f} min (each then drains for up to its "
+                      "timeout)" + (": a calibrated run's cells send as long as written on a server at least as fast as "
+                                    f"{exp.calibrate['sized_for_rps']:g} req/s, 1/F times as long on a slower one"
+                                    if exp.calibrate is not None and opts.rate_scale is None else ""), highlight=False)
         return 0
     data = run_experiment(exp, opts, console)
     out = Console()
