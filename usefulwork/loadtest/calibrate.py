@@ -12,6 +12,8 @@ slower server, as written on a faster one: ``Experiment.scale_rates``, ``experim
    own time and one step), one prompt of the first shape alone (its first token ``P``; its token gaps,
    one sequence's decode step ``D(1)``), then ``concurrency`` prompts at once (the time to the last one's
    first token: full prefill steps; the gaps after it: the step with that many sequences ``D(n)``).
+   With ``repeats: N`` the lone prompt and the prompts together go ``N`` times in turn, each figure the
+   median of its passes, every pass with prompts of its own (one sent again is a prefix-cache hit).
 2. **Step model** (``StepModel.fit``): a step costs ``a + c (sequences in it) + b x + q x^2`` for ``x``
    prompt tokens in it: ``c`` from ``D(n) - D(1)``, ``a`` from ``D(1)``, ``b`` from the lone prompt and
    ``q`` from the prompts sent together (a full step costs more per token than a lone prompt's on a GPU).
