@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 from usefulwork.config import Config, ConfigError, LocalFleet, load, with_local_pool
-from usefulwork.tasks import raise_exit
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
@@ -240,8 +239,11 @@ def describe(cfg: Config) -> str:
 
 def _terminate(signum, frame) -> None:
     # uvicorn handles SIGTERM gracefully, then re-raises it once it has shut down; without this
-    # handler that re-raise kills the process before `finally` stops the embedded vLLM.
-    raise_exit(0)
+    # handler that re-raise kills the process before `finally` stops the embedded vLLM. (Raised here, not
+    # from a loop callback as the loadtest's is: uvicorn re-raises at the end of its own serve coroutine,
+    # inside the loop, and the exit must unwind that coroutine; a callback stopped the loop before
+    # ``asyncio.run`` had its result, and the gateway exited 1.)
+    raise SystemExit(0)
 
 
 def setup_logging(level: str) -> None:
