@@ -24,13 +24,28 @@ def raise_exit(code: int) -> None:
     error on transport", closes that one connection and runs on. A SIGTERM that landed in one was lost (a
     killed loadtest ran its whole 300 s cell, then the next profile). With a loop running in this thread the
     exit is raised from a callback of the loop's own, which asyncio and uvloop both let through (the loop
-    stops with it, and ``asyncio.run`` cancels its tasks); the callback runs even if the loop was about to
-    stop, since ``asyncio.run`` runs the loop once more to close it. Without a loop: at once."""
+    stops with it, and ``asyncio.run`` cancels its tasks). Without a loop: at once.
+
+    Where the signal lands as a loop closes, the callback can be dropped with the loop, or raised inside
+    ``asyncio.run``'s own shutdown, which then fails with a RuntimeError (uvicorn's re-raise of the signal
+    at its end did that: the gateway's handler raises at once for that reason). The exit is also kept
+    until ``take_pending_exit``, for the caller to raise once the loop is gone."""
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:
         raise SystemExit(code) from None
+    _pending.append(code)
     loop.call_soon_threadsafe(_exit, code)
+
+
+_pending: list[int] = []  # exits raise_exit scheduled on a loop, until taken
+
+
+def take_pending_exit() -> int | None:
+    """The first exit ``raise_exit`` scheduled on a loop since the last call (None: none); forgets them all."""
+    code = _pending[0] if _pending else None
+    _pending.clear()
+    return code
 
 
 def _exit(code: int) -> None:

@@ -1,6 +1,8 @@
 """`usefulwork loadtest` command line: bad input stops with a clear message (exit 2), nothing sent."""
 
 import argparse
+import asyncio
+import signal
 from pathlib import Path
 
 import pytest
@@ -51,3 +53,33 @@ def test_every_shipped_experiment_plans_its_cells(name, capsys):
     rc, out = _run(["--experiment", name, "--dry-run"], capsys)
     assert rc == 0, out.err
     assert "arrival=" in out.err  # one line per planned cell
+
+
+def _signalled_as_the_loop_closes(then):
+    """A run whose SIGTERM lands in a loop's last iteration: the exit scheduled on it is dropped with the loop
+    (fault injection: the loop is stopped in the same callback), then ``then()`` ends the run."""
+    def fake_run(args):
+        loop = asyncio.new_event_loop()
+
+        def last():
+            signal.raise_signal(signal.SIGTERM)  # the run's handler: an exit scheduled on this loop
+            loop.stop()  # ... which never runs it
+
+        loop.call_soon(last)
+        loop.run_forever()
+        loop.close()
+        return then()
+    return fake_run
+
+
+@pytest.mark.parametrize("then", [lambda: 0, lambda: (_ for _ in ()).throw(RuntimeError("Event loop stopped before Future "
+                                                                                        "completed."))],
+                         ids=["returned", "loop-shutdown-failed"])
+def test_a_sigterm_whose_loop_closed_first_still_exits_143(monkeypatch, then):
+    """The exit is kept beside the loop's callback: a run that returned, or failed in the loop's shutdown,
+    after the signal exits as SIGTERM says (before, the first went on as if never signalled)."""
+    monkeypatch.setattr(cli, "_run", _signalled_as_the_loop_closes(then))
+    with pytest.raises(SystemExit) as stopped:
+        cli.run(argparse.Namespace())
+    assert stopped.value.code == 128 + signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is not cli._stop_on_sigterm  # the handler is put back

@@ -29,7 +29,7 @@ from rich.console import Console
 
 from usefulwork.loadtest.arrivals import PROCESSES, ArrivalError
 from usefulwork.loadtest.workloads import WorkloadError
-from usefulwork.tasks import raise_exit
+from usefulwork.tasks import raise_exit, take_pending_exit
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
@@ -121,8 +121,21 @@ def run(args: argparse.Namespace) -> int:
     # SIGTERM (a CI timeout, `kill`, a container stop) unwinds like Ctrl-C, so the finally blocks stop the
     # vLLM servers, simulators and gateways this run started; the default action left them running.
     previous = signal.signal(signal.SIGTERM, _stop_on_sigterm) if threading.current_thread() is threading.main_thread() else None
+    take_pending_exit()  # (none from an earlier run in this process)
     try:
-        return _run(args)
+        try:
+            rc = _run(args)
+        except SystemExit:
+            raise
+        except BaseException:
+            # a SIGTERM that landed as a cell's event loop closed: the loop's shutdown failed with it, and
+            # the run unwound through its finally blocks (servers stopped); exit as the signal says
+            if (code := take_pending_exit()) is not None:
+                raise SystemExit(code) from None
+            raise
+        if (code := take_pending_exit()) is not None:  # scheduled on a loop that closed before it ran
+            raise SystemExit(code)
+        return rc
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
