@@ -236,7 +236,7 @@ def probe(url: str, model: str, workload: Workload, concurrency: int, timeout_s:
     base = run(1, seed + 2, tiny)[0]  # a fresh server's first answer is slower: counted only if it is not
     base = min(base, run(1, seed + 3, tiny)[0], key=lambda r: r.ttft)
     samples: dict[str, list[float]] = {"prefill_s": [], "decode_1_s": [], "decode_n_s": [], "together_first_s": []}
-    outs = []
+    output_tokens = 0
     for k in range(max(1, repeats)):
         s = seed + 10 * k
         alone = run(1, s)[0]
@@ -246,10 +246,10 @@ def probe(url: str, model: str, workload: Workload, concurrency: int, timeout_s:
         samples["decode_1_s"].append(sum(alone.itl) / len(alone.itl))
         samples["decode_n_s"].append(decode_n)
         samples["together_first_s"].append(first)
-        outs.append(alone.output_tokens or len(alone.itl) + 1)
+        output_tokens = output_tokens or alone.output_tokens or len(alone.itl) + 1  # (the first pass's)
     med = {k: statistics.median(v) for k, v in samples.items()}
     return Probe(prefill_s=med["prefill_s"], decode_1_s=med["decode_1_s"], concurrency=concurrency,
-                 decode_n_s=med["decode_n_s"], output_tokens=outs[0], base_s=base.ttft, prompt_tokens=prompt_tokens,
+                 decode_n_s=med["decode_n_s"], output_tokens=output_tokens, base_s=base.ttft, prompt_tokens=prompt_tokens,
                  together_first_s=med["together_first_s"], samples=samples if repeats > 1 else {})
 
 
