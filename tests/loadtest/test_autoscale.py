@@ -232,7 +232,9 @@ def test_gateways_that_lend_each_other_places_admit_more_first_retries():
     lending.PlaceLedger): a retry claims the place held for it by the process that shed it (that process lets
     it go, or lends it where the retry finds no slot near where it arrives), or takes a place another process
     frees within its budget, and the lender leaves the slot idle until the loan is given back. Over seeds
-    1-4: 91.0% -> 96.1% of first retries admitted (94.3% with next places lent alone, session 53). The places
+    1-4: 91.0% -> 96.1% of first retries admitted (94.3% with next places lent alone, session 53); since session
+    59 a process owes a retry the slot a new request took early whether or not it lends (``PoolQueue._owed_slot``),
+    and the processes that lend nothing admit 92.9%, those that lend 96.5%. The places
     let go at once are filled, so the replica runs fuller: 5 of seed 1's 269 answers ended 0.06-0.18 s past
     the 5 s E2E SLO (98.1%; the issue's bar is 95%). On the wall clock, seeds 1-5: docs/benchmarks.md
     section 7, sessions 53 and 54."""
@@ -243,7 +245,7 @@ def test_gateways_that_lend_each_other_places_admit_more_first_retries():
         return sum(c["admitted_on_first_retry"] for c in cells) / sum(c["first_retries"] for c in cells), cells
 
     (alone, _), (lent, cells) = share(False), share(True)
-    assert lent >= 0.95 and lent > alone + 0.04, (alone, lent)
+    assert lent >= 0.95 and lent > alone + 0.03, (alone, lent)
     assert all(c["attainment_served"] >= 0.98 for c in cells)
 
 

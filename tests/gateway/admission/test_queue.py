@@ -1190,6 +1190,83 @@ def test_retry_after_waits_for_the_slot_model_behind_every_promised_place():
     assert first_retries > 150 and admitted_first / first_retries >= 0.98
 
 
+def _slots_freed_early(newcomers: int) -> tuple[PoolQueue, list[Decision], list[Ticket]]:
+    """A pool of 2 slots held 4 s (as measured) runs 2 requests from 0 s; 2 more are shed at 0 s and told to come
+    back at their places (5.25 s). Both running requests end at 1 s, and ``newcomers`` new requests arrive at 3 s:
+    their budgets (1.9 s) end before the places fall due, so they take the free slots."""
+    q = make_queue(limit=2, service_s=4.0)
+    q.return_prior = 1.0
+    running = [ticket(0.0) for _ in range(2)]
+    for i, t in enumerate(running):
+        t.key = 100 + i
+        assert q.offer(t, 0.0).kind == "admit"
+    shed = [ticket(0.0) for _ in range(2)]
+    for i, t in enumerate(shed):
+        t.key = i + 1
+    decisions = [q.offer(t, 0.0) for t in shed]
+    assert [d.kind for d in decisions] == ["shed", "shed"]
+    for t in running:
+        q.release(t, 1.0)
+    for i in range(newcomers):
+        t = ticket(3.0)
+        t.key = 50 + i
+        assert q.offer(t, 3.0).kind == "admit"
+    return q, decisions, shed
+
+
+def _come_back(q: PoolQueue, decisions: list[Decision], shed: list[Ticket]) -> list[Decision]:
+    out = []
+    for t, d in zip(shed, decisions):
+        r = ticket(d.retry_after_s)
+        r.key = t.key
+        out.append(q.offer(r, d.retry_after_s))
+    return out
+
+
+def test_a_retry_whose_slot_a_new_request_took_early_runs_one_over_the_limit():
+    """The slot model priced the places on slots held 4 s; they freed after 1 s, before the places fell due, and
+    new requests took them. The clients come back at their places to a full pool whose slots free 7 s from 3 s:
+    each is owed a slot, and one at a time runs one over the limit (the other is shed as before). Without this,
+    both were shed for the slot model's margin (the real CPU vLLM's burst-retry cell, session 59)."""
+    q, decisions, shed = _slots_freed_early(newcomers=2)
+    assert q.taken_early == 2
+    back = _come_back(q, decisions, shed)
+    assert [d.kind for d in back] == ["admit", "shed"] and back[1].reason == "predicted_wait"
+    assert q.inflight == 3 and q.retries_over_limit == 1 and q.taken_early == 1
+    stats = q.stats(6.0)
+    assert stats["retries_over_limit"] == 1 and stats["places_taken_early"] == 1
+
+
+def test_slots_freed_early_and_left_free_owe_nothing_and_a_debt_ends_with_the_places():
+    """With nobody taking the freed slots, the retries find them and are admitted within the limit (nothing
+    owed). A debt ends with the places it was owed to: once every place has expired, a retry priced as holding
+    none here runs over the limit for nobody."""
+    q, decisions, shed = _slots_freed_early(newcomers=0)
+    assert q.taken_early == 0
+    assert [d.kind for d in _come_back(q, decisions, shed)] == ["admit", "admit"]
+    assert q.inflight == 2 and q.retries_over_limit == 0
+    q, decisions, shed = _slots_freed_early(newcomers=2)
+    q._prune(60.0)  # nobody came back: the places expired
+    assert not q.reservations and q.taken_early == 0
+
+
+def test_a_new_request_that_finds_more_slots_free_than_places_held_takes_none_of_theirs():
+    q = make_queue(limit=4, service_s=4.0)
+    q.return_prior = 1.0
+    for i in range(4):
+        t = ticket(0.0)
+        t.key = 100 + i
+        q.offer(t, 0.0)
+    s = ticket(0.0)
+    s.key = 1
+    assert q.offer(s, 0.0).kind == "shed" and len(q.reservations) == 1
+    for t in list(q.running)[:3]:
+        q.release(t, 1.0)  # three slots free, one place held
+    n = ticket(3.0)
+    n.key = 50
+    assert q.offer(n, 3.0).kind == "admit" and q.taken_early == 0
+
+
 def _burst_with_retries(q: PoolQueue, tenant: str, start: float, retry: bool) -> tuple[int, int, list[float]]:
     """A 3x burst: 24 req/s for 5 s from ``start``."""
     return _run_with_retries(q, tenant, [start + i / 24.0 for i in range(120)], retry)
