@@ -1239,8 +1239,7 @@ def test_a_retry_whose_slot_a_new_request_took_early_runs_one_over_the_limit():
 
 def test_slots_freed_early_and_left_free_owe_nothing_and_a_debt_ends_with_the_places():
     """With nobody taking the freed slots, the retries find them and are admitted within the limit (nothing
-    owed). A debt ends with the places it was owed to: once every place has expired, a retry priced as holding
-    none here runs over the limit for nobody."""
+    owed). A debt ends with the places it was owed to: once every place has expired unclaimed, nothing is owed."""
     q, decisions, shed = _slots_freed_early(newcomers=0)
     assert q.taken_early == 0
     assert [d.kind for d in _come_back(q, decisions, shed)] == ["admit", "admit"]
