@@ -520,10 +520,9 @@ def probed_retries(seeds: list[int], probes: dict[str, dict[str, Any]], gateways
             total[k] += row[k]
         lowest.extend(att)
         n, a = row["first_retries"], row["admitted_on_first_retry"]
-        print(f"| {name} | {row['sent']} | {row['served']} | {n} | {a} ({a / max(1, n):.1%}) | "
-              f"{row['first_retry_client_timeout']} | {min(att):.1%} | {row['timeouts']} |" if att else
-              f"| {name} | {row['sent']} | {row['served']} | {n} | {a} | {row['first_retry_client_timeout']} | - | "
-              f"{row['timeouts']} |")
+        admitted, low = (f"{a} ({a / max(1, n):.1%})", f"{min(att):.1%}") if att else (str(a), "-")
+        print(f"| {name} | {row['sent']} | {row['served']} | {n} | {admitted} | {row['first_retry_client_timeout']} "
+              f"| {low} | {row['timeouts']} |")
     n, a = total["first_retries"], total["admitted_on_first_retry"]
     print(f"all runs: {a} of {n} first retries admitted ({a / max(1, n):.1%}), {total['served']} served, "
           f"{total['timeouts']} timeouts, {sum(1 for x in lowest if x < 0.95)} of {len(lowest)} cells under 95% of the "
