@@ -16,6 +16,7 @@ that met the SLO (10-13 req/s).
     python benchmarks/admission_virtual.py --rule tail:0.75 --rule tail:0.9 --rule mean:0.7
     python benchmarks/admission_virtual.py --classes --seeds 1-6    # the priority and fairness cells
     python benchmarks/admission_virtual.py --classes --probe docs/bench/admission-vllm-results-s43.json
+    python benchmarks/admission_virtual.py --classes --pieces 64 --probe docs/bench/admission-vllm-results-s59b.json
     python benchmarks/admission_virtual.py --burst --probe docs/bench/admission-vllm-results-s48b.json --seeds 0 --margin 0
     python benchmarks/admission_virtual.py --retry --seeds 1-6      # the burst-retry cell
     python benchmarks/admission_virtual.py --retry --gateways 3     # ... behind three round-robin gateways
@@ -31,7 +32,9 @@ alone, the engine's output tokens/s against admission off, each quiet tenant's T
 arrivals alone, and the floor of that ratio (``admission_clock.floor_p99``: every quiet prompt admitted at
 once and prefilled alone in the next step, waiting only for the API front-end and the step in progress,
 cut to one prompt's prefill, on the same run's steps): where the floor is over 1.2x, no gateway that keeps
-the engine as busy meets the target.
+the engine as busy meets the target with whole-prompt steps. ``--pieces TOKENS`` adds a third variant,
+low-band prompts prefilled in pieces through the prefix cache (``low_band_prefill_chunk``), which changes
+the steps themselves: a top-band prompt then waits for one piece, not for a whole low-band prompt.
 
 ``--classes --probe RESULTS`` runs the same two cells on the real CPU vLLM of a recorded ``usefulwork
 loadtest --experiment admission-vllm`` run instead (``admission_clock.probed_host``: the step times fitted
@@ -186,9 +189,12 @@ def _seeds(spec: str) -> list[int]:
     return list(range(int(lo), int(hi or lo) + 1))
 
 
-def classes(seeds: list[int], host: admission_clock.Host = admission_clock.A100) -> dict[str, Any]:
-    """The priority and fairness cells per seed, shipped settings vs the low-band gate off."""
+def classes(seeds: list[int], host: admission_clock.Host = admission_clock.A100, pieces: int = 0) -> dict[str, Any]:
+    """The priority and fairness cells per seed, shipped settings vs the low-band gate off (and, with
+    ``pieces``, vs low-band prompts prefilled in pieces of that many tokens: ``low_band_prefill_chunk``)."""
     variants = {"shipped": AdmissionCfg(), "gate-off": AdmissionCfg(low_band_prefills=0)}
+    if pieces:
+        variants[f"pieces-{pieces}"] = AdmissionCfg(low_band_prefill_chunk=pieces)
     data: dict[str, Any] = {}
     for name, cfg in variants.items():
         data[name] = {seed: {"priority": admission_clock.priority_cell(seed, cfg, host),
@@ -657,6 +663,9 @@ def main() -> int:
                          "the rates were sized for keeps each cell's written length), not as the recorded run did")
     ap.add_argument("--gateways", type=int, default=1,
                     help="with --retry: gateway processes behind a round-robin load balancer (each attempt to the next)")
+    ap.add_argument("--pieces", type=int, default=0, metavar="TOKENS",
+                    help="with --classes: a third variant, low-band prompts prefilled in pieces of TOKENS "
+                         "(admission.low_band_prefill_chunk)")
     ap.add_argument("--no-lend", action="store_true",
                     help="with --gateways N: the processes lend each other no places (admission.lend_places: false)")
     args = ap.parse_args()
@@ -698,7 +707,7 @@ def main() -> int:
         host = admission_clock.A100
         if args.probe:
             host = admission_clock.probed_host(load(args.probe[0]), args.probe[0].name, args.margin)
-        data = classes(_seeds(args.seeds), host)
+        data = classes(_seeds(args.seeds), host, args.pieces)
         if args.json:
             args.json.write_text(json.dumps(data, indent=1))
         return 0

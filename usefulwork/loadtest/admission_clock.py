@@ -33,6 +33,7 @@ from usefulwork.loadtest import calibrate
 from usefulwork.loadtest.admission import jain
 from usefulwork.loadtest.calibrate import StepModel
 from usefulwork.loadtest.experiment import Experiment, load_experiment
+from usefulwork.upstream.pieces import piece_tokens
 
 SLO = (2.0, 0.1, 5.0)  # TTFT, TPOT, E2E seconds: the experiment's
 PROMPT, OUTPUT = 512, 128
@@ -53,10 +54,11 @@ class Host:
     warm_s: float = WARM_S  # ... and for how long
     step_model: StepModel | None = None  # None: the simulated A100-80G serving Llama-3.1-8B
 
-    def engine(self, scheduling_policy: str) -> SimEngine:
-        if self.step_model is None:
+    def engine(self, scheduling_policy: str, prefix_caching: bool = False) -> SimEngine:
+        if self.step_model is None:  # (vLLM's default: the prefix cache on)
             return SimEngine(build_spec(gpu="A100-80G", model="Llama-3.1-8B", overrides={"scheduling_policy": scheduling_policy}))
-        return calibrate.engine(self.step_model, PROMPT + OUTPUT, scheduling_policy=scheduling_policy)
+        return calibrate.engine(self.step_model, PROMPT + OUTPUT, scheduling_policy=scheduling_policy,
+                                prefix_caching=prefix_caching)
 
 
 A100 = Host()
@@ -132,6 +134,7 @@ class Result:
     arrived: dict[str, list[float]] = field(default_factory=dict)  # client -> when each measured request arrived
     steps: list[tuple[float, float]] = field(default_factory=list)  # the engine's steps: (start, end), in order
     front_end_s: float = 0.0  # the API front-end's fixed delay before a request reaches the engine's queue
+    pieces: int = 0  # one-token requests sent to prefill low-band prompts in pieces (``low_band_prefill_chunk``)
 
     def p99(self, client: str) -> float | None:
         xs = self.ttft.get(client)
@@ -152,8 +155,13 @@ class Result:
 
 def run(cell: list[tuple[float, Client]], admission: AdmissionCfg | None, duration_s: float,
         scheduling_policy: str = "priority", host: Host = A100) -> Result:
-    """Serve ``cell`` (offsets from its start) behind admission (None: every request forwarded at once)."""
-    eng = host.engine(scheduling_policy)
+    """Serve ``cell`` (offsets from its start) behind admission (None: every request forwarded at once).
+    With ``admission.low_band_prefill_chunk``, a low-band prompt admitted while top-band work is about is
+    prefilled in pieces first, as the Forwarder does (usefulwork/upstream/pieces.py): each whole-block prefix
+    a one-token request, sent when the one before it ends, then the request itself, on an engine with its
+    prefix cache on."""
+    chunk = admission.low_band_prefill_chunk if admission is not None else 0
+    eng = host.engine(scheduling_policy, prefix_caching=bool(chunk))
     q = None
     if admission is not None:
         cap = Capacity(admission, *host.slo, replica_count=lambda: 1, priority_scheduling=scheduling_policy == "priority")
@@ -169,6 +177,18 @@ def run(cell: list[tuple[float, Client]], admission: AdmissionCfg | None, durati
     of: dict[Any, tuple[Ticket, Client, bool]] = {}  # engine request -> its ticket, client, measured
     ids = itertools.count()  # every prompt starts with a token of its own: no prefix-cache hits
     now, plan, plan_end, i, tokens = 0.0, None, math.inf, 0, 0
+    step = piece_tokens(chunk, eng.kv.block_size) if chunk else 0
+    pieces: dict[Any, tuple[Ticket, list[int], int]] = {}  # a piece in the engine -> its ticket, prompt, length
+
+    def send(tk: Ticket, prompt: list[int], upto: int) -> None:
+        """The next piece of ``tk``'s prompt (``upto`` tokens), or the request itself once none is left."""
+        if upto < len(prompt):
+            pieces[eng.add_request(prompt[:upto], 1, ignore_eos=True, arrival_time=now,
+                                   priority=tk.engine_priority)] = (tk, prompt, upto)
+            res.pieces += 1
+            return
+        r = eng.add_request(prompt, OUTPUT, ignore_eos=True, arrival_time=now, priority=tk.engine_priority)
+        of[r] = (tk, *tk.waiter)
     while True:
         t_arrive = timeline[i][0] if i < len(timeline) else math.inf
         t_queue = (q.next_deadline() or math.inf) if q is not None and q.queued else math.inf
@@ -201,6 +221,11 @@ def run(cell: list[tuple[float, Client]], admission: AdmissionCfg | None, durati
             eng.complete_step(done, now)
             for it in done.items:
                 r = it.req
+                if r in pieces:
+                    if r.finish_time is not None:
+                        tk, prompt, upto = pieces.pop(r)
+                        send(tk, prompt, upto + step)
+                    continue
                 tk, client, measured = of[r]
                 tokens += t0 + 5.0 <= now <= t0 + duration_s
                 if r.num_output_tokens == 1:
@@ -227,9 +252,9 @@ def run(cell: list[tuple[float, Client]], admission: AdmissionCfg | None, durati
                         woken += q.release(tk, now, s, PROMPT + n)
         for tk in woken:
             if tk.state == "admitted":
-                r = eng.add_request([1000 + next(ids), *range(1001, 1000 + PROMPT)], OUTPUT, ignore_eos=True,
-                                    arrival_time=now, priority=tk.engine_priority)
-                of[r] = (tk, *tk.waiter)
+                prompt = [1000 + next(ids), *range(1001, 1000 + PROMPT)]
+                pieced = step and tk.low_band and q.top_band_about(now) and len(prompt) >= 2 * step
+                send(tk, prompt, step if pieced else len(prompt))
             elif tk.state == "shed":  # at its latest start, or overtaken
                 client, measured = tk.waiter
                 if measured:

@@ -133,14 +133,16 @@ class StepModel:
         return self.step_s + self.per_seq_s * len(plan.items) + self.per_token_s * t + self.per_token2_s * t * t
 
 
-def engine(model: StepModel, max_len: int, seed: int = 0, scheduling_policy: str = "fcfs") -> SimEngine:
+def engine(model: StepModel, max_len: int, seed: int = 0, scheduling_policy: str = "fcfs",
+           prefix_caching: bool = False) -> SimEngine:
     """The probed server on the simulator's virtual clock: vLLM V1's scheduler (its CPU defaults) with
-    ``model``'s step times, requests of up to ``max_len`` tokens, never bound by its KV cache (not probed)."""
+    ``model``'s step times, requests of up to ``max_len`` tokens, never bound by its KV cache (not probed;
+    with ``prefix_caching``, room for as many blocks again to stay cached)."""
     block = 16
     spec = build_spec(model="Llama-3.1-8B", profile="cpu", overrides={
         "max_num_seqs": MAX_SEQS, "max_num_batched_tokens": BUDGET_TOKENS, "max_model_len": max_len,
-        "block_size": block, "enable_prefix_caching": False, "scheduling_policy": scheduling_policy,
-        "num_gpu_blocks_override": (MAX_SEQS + 1) * math.ceil(max_len / block)})
+        "block_size": block, "enable_prefix_caching": prefix_caching, "scheduling_policy": scheduling_policy,
+        "num_gpu_blocks_override": (1 + prefix_caching) * (MAX_SEQS + 1) * math.ceil(max_len / block)})
     return SimEngine(spec, seed=seed, timer=model, request_overhead_s=model.front_end_s)
 
 

@@ -27,6 +27,7 @@ from usefulwork.upstream.fleet import Fleet, Replica
 from usefulwork.upstream.http1 import (ConnectFailed, Response, UpstreamClosed, UpstreamError, UpstreamTimeout,
                                       UpstreamTooLarge)
 from usefulwork.upstream.pickers import Picker
+from usefulwork.upstream.pieces import PREFILL_CHUNK, prefill_in_pieces
 
 RETRY_STATUSES = frozenset({502, 503, 504})
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
@@ -59,6 +60,7 @@ class Forwarder:
                                headers=[(b"retry-after", b"5")])
         body = _upstream_body(call)
         headers = _upstream_headers(ctx.id, pool.cfg.api_key)
+        chunk = call.memo.get(PREFILL_CHUNK)
         last_error = "no replica tried"
         for replica in ordered:
             ctx.attempts += 1
@@ -67,6 +69,9 @@ class Forwarder:
             if ctx.t_forwarded is None:
                 ctx.t_forwarded = time.perf_counter()
             try:
+                if chunk and ctx.attempts == 1:  # (the admission filter's: a low-band prompt while top-band work is about)
+                    pieces = await prefill_in_pieces(call, replica, headers, chunk)
+                    call.memo["prefill_pieces"] = pieces
                 resp = await replica.http.request(b"POST", call.path, body, headers)
             except (ConnectFailed, UpstreamClosed) as exc:
                 lease.release()

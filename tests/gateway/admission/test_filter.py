@@ -19,6 +19,7 @@ from usefulwork.gateway.context import NullAccountant, RequestContext
 from usefulwork.gateway.pipeline import Call, Reply, Services
 from usefulwork.gateway.tenants import hash_key
 from usefulwork.upstream.fleet import Fleet
+from usefulwork.upstream.pieces import PREFILL_CHUNK
 
 MODEL = "m"
 
@@ -658,6 +659,29 @@ def test_the_class_goes_to_vllm_as_priority_only_where_the_replicas_schedule_by_
         assert all(c.raw is None for c in sent)  # re-encoded by the forwarder
     else:
         assert "priority" not in sent[0].body and sent[1].body["priority"] == -5 and sent[0].raw is not None
+
+
+@pytest.mark.parametrize("policy,chunk", [("priority", 64), ("priority", 0), ("fcfs", 64)])
+def test_low_band_prompts_go_in_pieces_only_while_top_band_work_is_about(policy, chunk):
+    """``low_band_prefill_chunk``: a batch or sheddable request is marked for the Forwarder to prefill in pieces
+    (``Call.memo``) once interactive work has been offered, on replicas that schedule by priority (where the
+    low-band gate works); an interactive one never is, nor anything where the setting is 0."""
+    pools = [{"name": "p", "models": [MODEL], "replicas": ["http://127.0.0.1:9"], "scheduling_policy": policy}]
+    f = make_filter(make_cfg(pools=pools, admission={"low_band_prefill_chunk": chunk}))
+
+    async def go():
+        be = Backend()
+        for p in ("batch", "interactive", "batch", "sheddable", "interactive"):
+            await (await f(make_call(f, priority=p), be)).aclose()
+        return be.calls
+
+    marked = [c.memo.get(PREFILL_CHUNK) for c in asyncio.run(go())]
+    if policy == "priority" and chunk:
+        assert marked == [None, None, 64, 64, None]
+        assert f.stats()["prefilled_in_pieces"] == 2
+    else:
+        assert marked == [None] * 5
+        assert f.stats().get("prefilled_in_pieces", 0) == 0
 
 
 def test_two_replicas_settle_a_retrys_return_through_redis(redis_url):

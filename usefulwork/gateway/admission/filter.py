@@ -51,6 +51,7 @@ from usefulwork.gateway.pipeline import Call, Handler, Reply
 from usefulwork.gateway.tenants import PRIORITIES, TenantCfg
 from usefulwork.gateway.validation import max_tokens_of, with_max_tokens
 from usefulwork.tasks import cancel_and_wait
+from usefulwork.upstream.pieces import PREFILL_CHUNK
 
 if TYPE_CHECKING:
     from usefulwork.gateway.pipeline import Services
@@ -211,6 +212,7 @@ class AdmissionFilter:
         self._lend_task: asyncio.Task | None = None
         self.queues: dict[str, PoolQueue] = {}
         self.decisions: dict[str, int] = {"admit": 0, "queued": 0, "shed": 0, "degraded": 0, "limited": 0}
+        self.pieced = 0  # low-band requests sent to be prefilled in pieces (``low_band_prefill_chunk``)
         self._holding: dict[str, int] = {}  # tenant -> its requests this process holds (``max_inflight_per_process``)
         self._tasks: set[asyncio.Task] = set()
         self._instruments(services.meter)
@@ -378,6 +380,10 @@ class AdmissionFilter:
                 # The class goes into vLLM's own queue too, with tenants under their fair share first within
                 # it (the gateway owns the value: a client's is replaced).
                 call.set_body({**call.body, "priority": t.engine_priority})
+            if self.cfg.low_band_prefill_chunk and t.low_band and queue.top_band_about(self.clock()):
+                # (the Forwarder prefills it in pieces on the replica it picks: usefulwork/upstream/pieces.py)
+                call.memo[PREFILL_CHUNK] = self.cfg.low_band_prefill_chunk
+                self.pieced += 1
             if self._wait_hist is not None:
                 self._wait_hist.record(t.admitted_at - t.arrival, {"pool": queue.name, "priority": p})
             if t.stream:
@@ -659,6 +665,8 @@ class AdmissionFilter:
         out = {"decisions": dict(self.decisions), "pools": {n: q.stats(now) for n, q in self.queues.items()},
                "limits_store": "redis" if isinstance(self.limits, FailoverLimits) else "process",
                "redis_down": down}
+        if self.cfg.low_band_prefill_chunk:
+            out["prefilled_in_pieces"] = self.pieced
         if isinstance(shared, LeasedLimits):
             out["limits_lease_calls"] = dict(shared.calls)
         return out

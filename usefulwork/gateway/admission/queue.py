@@ -327,6 +327,12 @@ class PoolQueue:
             return 0
         return self.low_band_prefills * self.capacity.count() - self.pending_low
 
+    def top_band_about(self, now: float) -> bool:
+        """Whether top-band work was offered in the last ``tenant_active_s`` (seen only where ``low_band_prefills``
+        is on and the replicas schedule by priority): then low-band prompts are gated (``low_band_free``), and
+        prefilled in pieces where ``low_band_prefill_chunk`` says so (usefulwork/upstream/pieces.py)."""
+        return now - self._top_seen < self.tenant_active_s
+
     def _others_in_pool(self, tenant: str) -> bool:
         return any(n > 0 for u, n in self.inflight_tenant.items() if u != tenant)
 
