@@ -69,3 +69,31 @@ def test_on_the_cpu_vllm_a_prefill_in_progress_puts_the_quiet_tenants_floor_over
         for q, row in res["quiet"].items():
             assert row["floor_p99_s"] <= row["p99_s"], (seed, q, row)
         assert max(row["floor_ratio"] for row in res["quiet"].values()) > 1.5, (seed, res["quiet"])
+
+
+# The calibration of session 59's Zen 4 host (docs/bench/admission-vllm-results-s59b.json): a 512-token prefill
+# in 0.70 s, a step's fixed cost 24 ms.
+S59B = {"calibration": {
+    "probe": {"prefill_s": 0.6974, "decode_1_s": 0.02685, "concurrency": 8, "decode_n_s": 0.04816, "output_tokens": 128,
+              "base_s": 0.03244, "prompt_tokens": 512, "together_first_s": 5.5794},
+    "step_model": {"step_s": 0.023801, "per_seq_s": 0.0030455, "per_token_s": 0.001285, "per_token2_s": 2.699e-08,
+                   "front_end_s": 0.0055926},
+    "speed_margin": 0.15, "rate_scale": 0.6465}}
+
+
+def test_batch_prompts_in_pieces_leave_an_interactive_prompt_one_piece_to_wait_for():
+    """``low_band_prefill_chunk`` on the virtual clock (the Forwarder's pieces: each whole-block prefix a one-token
+    request, then the request itself on the prefix cache). On the Zen 4 replica at 2x overload, with whole
+    batch prompts an interactive prompt that arrives during a batch prefill waits for all of it (the slowest
+    interactive first tokens: 1.6-1.8x the same requests alone in seeds 1 and 2); with 64-token pieces it
+    waits for one piece, and the ratio is within 1.25x, the engine generating at least 90% of admission off's
+    tokens/s. The same cell with the setting off sends no piece."""
+    host = admission_clock.probed_host(S59B)
+    for seed in (1, 2):
+        whole = admission_clock.priority_cell(seed, AdmissionCfg(), host)
+        pieces = admission_clock.priority_cell(seed, AdmissionCfg(low_band_prefill_chunk=64), host)
+        assert whole["ratio"] > 1.5 and pieces["ratio"] < 1.25, (seed, whole["ratio"], pieces["ratio"])
+        assert pieces["throughput_ratio"] >= 0.9, (seed, pieces["throughput_ratio"])
+    cell = admission_clock.arrivals(admission_clock.PRIORITY_MIX, host.rate, host.priority_s, 1)
+    assert admission_clock.run(cell, AdmissionCfg(), host.priority_s, host=host).pieces == 0
+    assert admission_clock.run(cell, AdmissionCfg(low_band_prefill_chunk=64), host.priority_s, host=host).pieces > 100
