@@ -665,22 +665,24 @@ def test_the_class_goes_to_vllm_as_priority_only_where_the_replicas_schedule_by_
 def test_low_band_prompts_go_in_pieces_only_while_top_band_work_is_about(policy, chunk):
     """``low_band_prefill_chunk``: a batch or sheddable request is marked for the Forwarder to prefill in pieces
     (``Call.memo``) once interactive work has been offered, on replicas that schedule by priority (where the
-    low-band gate works); an interactive one never is, nor anything where the setting is 0."""
+    low-band gate works); an interactive one never is, nor a Responses call (its prompt is not tokenized on
+    the replica), nor anything where the setting is 0."""
     pools = [{"name": "p", "models": [MODEL], "replicas": ["http://127.0.0.1:9"], "scheduling_policy": policy}]
     f = make_filter(make_cfg(pools=pools, admission={"low_band_prefill_chunk": chunk}))
 
     async def go():
         be = Backend()
-        for p in ("batch", "interactive", "batch", "sheddable", "interactive"):
-            await (await f(make_call(f, priority=p), be)).aclose()
+        for p, op in (("batch", "chat"), ("interactive", "chat"), ("batch", "chat"), ("sheddable", "chat"),
+                      ("interactive", "chat"), ("batch", "responses")):
+            await (await f(make_call(f, priority=p, op=op), be)).aclose()
         return be.calls
 
     marked = [c.memo.get(PREFILL_CHUNK) for c in asyncio.run(go())]
     if policy == "priority" and chunk:
-        assert marked == [None, None, 64, 64, None]
+        assert marked == [None, None, 64, 64, None, None]
         assert f.stats()["prefilled_in_pieces"] == 2
     else:
-        assert marked == [None] * 5
+        assert marked == [None] * 6
         assert f.stats().get("prefilled_in_pieces", 0) == 0
 
 

@@ -51,7 +51,7 @@ from usefulwork.gateway.pipeline import Call, Handler, Reply
 from usefulwork.gateway.tenants import PRIORITIES, TenantCfg
 from usefulwork.gateway.validation import max_tokens_of, with_max_tokens
 from usefulwork.tasks import cancel_and_wait
-from usefulwork.upstream.pieces import PREFILL_CHUNK
+from usefulwork.upstream.pieces import PIECED_OPS, PREFILL_CHUNK
 
 if TYPE_CHECKING:
     from usefulwork.gateway.pipeline import Services
@@ -212,7 +212,9 @@ class AdmissionFilter:
         self._lend_task: asyncio.Task | None = None
         self.queues: dict[str, PoolQueue] = {}
         self.decisions: dict[str, int] = {"admit": 0, "queued": 0, "shed": 0, "degraded": 0, "limited": 0}
-        self.pieced = 0  # low-band requests sent to be prefilled in pieces (``low_band_prefill_chunk``)
+        # low-band requests marked to be prefilled in pieces (``low_band_prefill_chunk``; one whose prompt is
+        # shorter than two pieces, or whose replica cannot tokenize it, then goes whole)
+        self.pieced = 0
         self._holding: dict[str, int] = {}  # tenant -> its requests this process holds (``max_inflight_per_process``)
         self._tasks: set[asyncio.Task] = set()
         self._instruments(services.meter)
@@ -380,7 +382,8 @@ class AdmissionFilter:
                 # The class goes into vLLM's own queue too, with tenants under their fair share first within
                 # it (the gateway owns the value: a client's is replaced).
                 call.set_body({**call.body, "priority": t.engine_priority})
-            if self.cfg.low_band_prefill_chunk and t.low_band and queue.top_band_about(self.clock()):
+            if (self.cfg.low_band_prefill_chunk and t.low_band and call.op in PIECED_OPS
+                    and queue.top_band_about(self.clock())):
                 # (the Forwarder prefills it in pieces on the replica it picks: usefulwork/upstream/pieces.py)
                 call.memo[PREFILL_CHUNK] = self.cfg.low_band_prefill_chunk
                 self.pieced += 1
