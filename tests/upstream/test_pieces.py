@@ -139,7 +139,7 @@ async def test_the_forwarder_prefills_a_marked_call_in_pieces_on_the_replica_it_
     from usefulwork.upstream.fleet import Fleet
     from usefulwork.upstream.forwarder import Forwarder
     from usefulwork.upstream.pickers import build_pickers
-    from usefulwork.upstream.pieces import PREFILL_CHUNK
+    from usefulwork.upstream.pieces import PIECES_SENT, PREFILL_CHUNK
 
     block = int(httpx.get(f"{vllm_server.base_url}/metrics", timeout=10).text.split('block_size="', 1)[1].split('"', 1)[0])
     cfg = from_mapping({"pools": [{"name": "p", "models": [vllm_server.model], "replicas": [vllm_server.base_url]}]},
@@ -161,7 +161,7 @@ async def test_the_forwarder_prefills_a_marked_call_in_pieces_on_the_replica_it_
             await reply.aclose()
             assert reply.status == 200
             cached[marked] = (reply.usage["prompt_tokens"], reply.usage["prompt_tokens_details"]["cached_tokens"],
-                              c.memo.get("prefill_pieces"))
+                              c.memo.get(PIECES_SENT))
             assert fleet.replicas[0].inflight == 0  # (the lease held over the pieces is released)
     finally:
         await fleet.stop()

@@ -27,7 +27,7 @@ from usefulwork.upstream.fleet import Fleet, Replica
 from usefulwork.upstream.http1 import (ConnectFailed, Response, UpstreamClosed, UpstreamError, UpstreamTimeout,
                                       UpstreamTooLarge)
 from usefulwork.upstream.pickers import Picker
-from usefulwork.upstream.pieces import PREFILL_CHUNK, prefill_in_pieces
+from usefulwork.upstream.pieces import PIECES_SENT, PREFILL_CHUNK, prefill_in_pieces
 
 RETRY_STATUSES = frozenset({502, 503, 504})
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
@@ -71,7 +71,7 @@ class Forwarder:
             try:
                 if chunk and ctx.attempts == 1:  # (the admission filter's: a low-band prompt while top-band work is about)
                     pieces = await prefill_in_pieces(call, replica, headers, chunk)
-                    call.memo["prefill_pieces"] = pieces
+                    call.memo[PIECES_SENT] = pieces
                 resp = await replica.http.request(b"POST", call.path, body, headers)
             except (ConnectFailed, UpstreamClosed) as exc:
                 lease.release()

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("usefulwork.pieces")
 
 PREFILL_CHUNK = "prefill_chunk"  # ``Call.memo`` key: tokens per piece, set by the admission filter
+PIECES_SENT = "prefill_pieces"  # ``Call.memo`` key: how many pieces the forwarder sent before the request
 PIECED_OPS = frozenset({"chat", "completions"})  # the operations whose prompt can be tokenized and pieced
 # The chat request's fields that shape its tokens (vLLM's /tokenize takes the same)
 _CHAT_TOKENIZE_KEYS = ("add_generation_prompt", "continue_final_message", "tools", "chat_template",

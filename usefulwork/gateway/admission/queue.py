@@ -314,7 +314,7 @@ class PoolQueue:
         if not self.low_band_prefills or not self.capacity.priority_scheduling or self.capacity.prefill_time() is None:
             return None
         if cls > 0:
-            if not self._now - self._top_seen < self.tenant_active_s:
+            if not self.top_band_about(self._now):
                 return None
         elif tenant is None or not self.low_band(0, tenant) or not self._others_in_pool(tenant):
             return None
