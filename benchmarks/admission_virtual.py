@@ -189,12 +189,17 @@ def _seeds(spec: str) -> list[int]:
     return list(range(int(lo), int(hi or lo) + 1))
 
 
-def classes(seeds: list[int], host: admission_clock.Host = admission_clock.A100, pieces: int = 0) -> dict[str, Any]:
+def classes(seeds: list[int], host: admission_clock.Host = admission_clock.A100, pieces: int = 0,
+            prefills: int | None = None) -> dict[str, Any]:
     """The priority and fairness cells per seed, shipped settings vs the low-band gate off (and, with
-    ``pieces``, vs low-band prompts prefilled in pieces of that many tokens: ``low_band_prefill_chunk``)."""
+    ``pieces``, vs low-band prompts prefilled in pieces of that many tokens: ``low_band_prefill_chunk``,
+    ``prefills`` of them per replica at a time where given: ``low_band_prefills``)."""
     variants = {"shipped": AdmissionCfg(), "gate-off": AdmissionCfg(low_band_prefills=0)}
     if pieces:
-        variants[f"pieces-{pieces}"] = AdmissionCfg(low_band_prefill_chunk=pieces)
+        name, kw = f"pieces-{pieces}", {"low_band_prefill_chunk": pieces}
+        if prefills is not None:
+            name, kw = f"{name}x{prefills}", {**kw, "low_band_prefills": prefills}
+        variants[name] = AdmissionCfg(**kw)
     data: dict[str, Any] = {}
     for name, cfg in variants.items():
         data[name] = {seed: {"priority": admission_clock.priority_cell(seed, cfg, host),
@@ -666,6 +671,9 @@ def main() -> int:
     ap.add_argument("--pieces", type=int, default=0, metavar="TOKENS",
                     help="with --classes: a third variant, low-band prompts prefilled in pieces of TOKENS "
                          "(admission.low_band_prefill_chunk)")
+    ap.add_argument("--prefills", type=int, default=None, metavar="N",
+                    help="with --pieces: that many pieced prompts per replica at a time (admission.low_band_prefills; "
+                         "the admission experiment's admission-on profile takes 64-token pieces, three at a time)")
     ap.add_argument("--no-lend", action="store_true",
                     help="with --gateways N: the processes lend each other no places (admission.lend_places: false)")
     args = ap.parse_args()
@@ -707,7 +715,7 @@ def main() -> int:
         host = admission_clock.A100
         if args.probe:
             host = admission_clock.probed_host(load(args.probe[0]), args.probe[0].name, args.margin)
-        data = classes(_seeds(args.seeds), host, args.pieces)
+        data = classes(_seeds(args.seeds), host, args.pieces, args.prefills)
         if args.json:
             args.json.write_text(json.dumps(data, indent=1))
         return 0

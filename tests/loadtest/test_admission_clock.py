@@ -61,14 +61,14 @@ def test_on_the_cpu_vllm_a_prefill_in_progress_puts_the_quiet_tenants_floor_over
     whole first token: a quiet prompt that reaches the engine during the heavy tenant's prefill waits for
     it, so the floor of a quiet tenant's p99 is far over 1.2x whatever the gateway does (the target needs
     every quiet tenant under it), and the served p99 is over the floor. (Which tenants' prompts meet a
-    prefill in progress depends on the schedule: since the TPOT hold band, seed 1's q1 has a floor of 1.11x
-    and is served at 1.18x, its q2 and q3 at floors of 1.60 and 1.51x; before, all three were over 1.5x.)"""
+    prefill in progress depends on the schedule: since the cell runs after its baseline, as the experiment's
+    does, seed 1's floors are 1.81 / 1.53 / 1.54x, seed 2's 1.38 / 1.05 / 1.47x.)"""
     host = admission_clock.probed_host(S43)
     for seed in (1, 2):
         res = admission_clock.fairness_cell(seed, AdmissionCfg(), host)
         for q, row in res["quiet"].items():
             assert row["floor_p99_s"] <= row["p99_s"], (seed, q, row)
-        assert max(row["floor_ratio"] for row in res["quiet"].values()) > 1.5, (seed, res["quiet"])
+        assert max(row["floor_ratio"] for row in res["quiet"].values()) > 1.35, (seed, res["quiet"])
 
 
 # The calibration of session 59's Zen 4 host (docs/bench/admission-vllm-results-s59b.json): a 512-token prefill

@@ -169,3 +169,74 @@ async def test_the_forwarder_prefills_a_marked_call_in_pieces_on_the_replica_it_
     step = piece_tokens(64, block)
     assert pieces == len(range(step, n, step)) and hit >= (n - 1) // step * step - block, cached
     assert cached[False][1] < step and cached[False][2] is None, cached
+
+
+@pytest.fixture(scope="module")
+def sim(tmp_path_factory):
+    """The simulated A100 (the ``admission`` experiment's engine) at 20x real time: prefix cache on, 16-token blocks."""
+    from tests.conftest import free_port
+    from usefulwork.backends.sim.process import SimProcess
+
+    s = SimProcess(gpu="A100-80G", model="Llama-3.1-8B", profile="optimized-batched", served_name="llama",
+                   port=free_port(), time_scale=20.0, seed=0, log_path=tmp_path_factory.mktemp("sim") / "sim.log")
+    with s:
+        yield s
+
+
+def test_the_simulator_tokenizes_as_it_prefills_and_a_pieced_prompt_finds_its_pieces_cached(sim):
+    """The simulator answers vLLM's /tokenize with the tokens the chat request itself is prefilled with, so
+    the pieces (each a one-token completion of those tokens) land in its prefix cache and the request finds
+    every whole piece there; bad bodies get vLLM's 400."""
+    base = sim.base_url
+    block = int(httpx.get(f"{base}/metrics", timeout=10).text.split('block_size="', 1)[1].split('"', 1)[0])
+    content = f"{uuid.uuid4().hex} " + " ".join(f"w{i}" for i in range(500))
+    tok = httpx.post(f"{base}/tokenize", json={"model": "llama", "messages": [{"role": "user", "content": content}]},
+                     timeout=10).json()
+    c = chat_call("llama", content)
+
+    async def go() -> int:
+        r = replica(base, float(block))
+        try:
+            return await prefill_in_pieces(c, r, b"content-type: application/json\r\n", 64)
+        finally:
+            r.http.close()
+
+    sent = asyncio.run(go())
+    answer = httpx.post(f"{base}/v1/chat/completions", json=c.body, timeout=60).json()
+    n = answer["usage"]["prompt_tokens"]
+    step = piece_tokens(64, block)
+    assert tok["count"] == len(tok["tokens"]) == n and n >= 2 * step
+    assert sent == len(range(step, n, step))
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= (n - 1) // step * step, answer["usage"]
+    plain = httpx.post(f"{base}/tokenize", json={"model": "llama", "prompt": "one two three"}, timeout=10).json()
+    assert plain["count"] == len(plain["tokens"]) > 0
+    for bad in ({"model": "llama", "prompt": 7}, {"model": "llama", "messages": []}, {"model": "nope", "prompt": "x"}):
+        r = httpx.post(f"{base}/tokenize", json=bad, timeout=10)
+        assert r.status_code in (400, 404) and r.json()["error"]["message"], (bad, r.text)
+
+
+def test_each_piece_waits_for_the_hold_before_it_is_sent():
+    """``Call.memo[PIECE_HOLD]`` (the admission filter's wait for the top band's pending prompts) is awaited
+    before every piece: with a hold that lets one piece through per release, the pieces go one per release."""
+    from usefulwork.upstream.pieces import PIECE_HOLD
+
+    tokens = orjson.dumps({"tokens": list(range(300)), "count": 300})
+
+    async def go():
+        async with Canned(http("200 OK", tokens)) as up:
+            r = replica(up.url, 16.0)
+            gate = asyncio.Semaphore(0)
+            c = chat_call("m", "x")
+            c.memo[PIECE_HOLD] = gate.acquire
+            task = asyncio.create_task(prefill_in_pieces(c, r, b"", 64))
+            seen = []
+            for _ in range(4):
+                await asyncio.sleep(0.05)
+                seen.append(len(up.requests))
+                gate.release()
+            sent = await asyncio.wait_for(task, 5)
+            r.http.close()
+            return seen, sent
+
+    seen, sent = asyncio.run(go())
+    assert seen == [1, 2, 3, 4] and sent == len(range(64, 300, 64)) == 4  # /tokenize, then one piece per release

@@ -10,7 +10,8 @@ prints them; a test holds the low-band prefill gate to them.
 A cell is a list of arrivals, each of a client (a tenant and a class). A baseline is the same arrivals
 less the other clients' (the wall-clock experiment's ``traffic_of``). Before a cell, the queue is warmed
 as the experiment's earlier cells warm it: 30 s of steady traffic under capacity from the cell's first
-client's tenant, then a 5 s pause.
+client's tenant (or another), then a 5 s pause. The fairness cell runs, as the experiment does, after its
+baseline on the same gateway: the quiet tenants' own arrivals, then a drain (``fairness_cell``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ SLO = (2.0, 0.1, 5.0)  # TTFT, TPOT, E2E seconds: the experiment's
 PROMPT, OUTPUT = 512, 128
 BATCH_DEADLINE_S = 60.0  # admission's default deadline for the batch class
 WARM_S, PAUSE_S, WARM_RATE = 30.0, 5.0, 8.0
+DRAIN_S = 15.0  # the experiment's drain after a cell (``drain_s``): the next cell's first arrival comes after it
 
 
 @dataclass(frozen=True)
@@ -154,12 +156,16 @@ class Result:
 
 
 def run(cell: list[tuple[float, Client]], admission: AdmissionCfg | None, duration_s: float,
-        scheduling_policy: str = "priority", host: Host = A100) -> Result:
+        scheduling_policy: str = "priority", host: Host = A100, warm_tenant: str | None = None,
+        before: list[tuple[float, Client]] | None = None, before_s: float = 0.0) -> Result:
     """Serve ``cell`` (offsets from its start) behind admission (None: every request forwarded at once).
+    The queue is warmed first by ``warm_tenant``'s steady traffic (None: the first client's tenant), then
+    serves ``before`` (offsets from its start, not measured: an earlier cell) for ``before_s`` seconds.
     With ``admission.low_band_prefill_chunk``, a low-band prompt admitted while top-band work is about is
     prefilled in pieces first, as the Forwarder does (usefulwork/upstream/pieces.py): each whole-block prefix
-    a one-token request, sent when the one before it ends, then the request itself, on an engine with its
-    prefix cache on."""
+    a one-token request, sent when the one before it ends and no top-band prompt is pending (the filter's
+    hold, here without its bound: a top-band first token always comes), then the request itself, on an
+    engine with its prefix cache on."""
     chunk = admission.low_band_prefill_chunk if admission is not None else 0
     eng = host.engine(scheduling_policy, prefix_caching=bool(chunk))
     q = None
@@ -169,9 +175,12 @@ def run(cell: list[tuple[float, Client]], admission: AdmissionCfg | None, durati
     t0 = 0.0
     timeline: list[tuple[float, Client, bool]] = []  # (time, client, measured)
     if q is not None and cell:
-        warm = Client("warm", cell[0][1].tenant, 0)
+        warm = Client("warm", warm_tenant or cell[0][1].tenant, 0)
         timeline += [(t, warm, False) for t, _ in arrivals((warm,), host.warm_rate, host.warm_s, seed=7)]
         t0 = host.warm_s + PAUSE_S
+        if before:
+            timeline += [(t0 + t, c, False) for t, c in before]
+            t0 += before_s
     timeline += [(t0 + t, c, True) for t, c in cell]
     res = Result()
     of: dict[Any, tuple[Ticket, Client, bool]] = {}  # engine request -> its ticket, client, measured
@@ -179,6 +188,7 @@ def run(cell: list[tuple[float, Client]], admission: AdmissionCfg | None, durati
     now, plan, plan_end, i, tokens = 0.0, None, math.inf, 0, 0
     step = piece_tokens(chunk, eng.kv.block_size) if chunk else 0
     pieces: dict[Any, tuple[Ticket, list[int], int]] = {}  # a piece in the engine -> its ticket, prompt, length
+    held: list[tuple[Ticket, list[int], int]] = []  # next pieces waiting for the top band's pending prompts
 
     def send(tk: Ticket, prompt: list[int], upto: int) -> None:
         """The next piece of ``tk``'s prompt (``upto`` tokens), or the request itself once none is left."""
@@ -224,7 +234,10 @@ def run(cell: list[tuple[float, Client]], admission: AdmissionCfg | None, durati
                 if r in pieces:
                     if r.finish_time is not None:
                         tk, prompt, upto = pieces.pop(r)
-                        send(tk, prompt, upto + step)
+                        if q.top_band_pending():  # (the next piece waits for its first token: ``_top_band_clear``)
+                            held.append((tk, prompt, upto + step))
+                        else:
+                            send(tk, prompt, upto + step)
                     continue
                 tk, client, measured = of[r]
                 tokens += t0 + 5.0 <= now <= t0 + duration_s
@@ -254,11 +267,18 @@ def run(cell: list[tuple[float, Client]], admission: AdmissionCfg | None, durati
             if tk.state == "admitted":
                 prompt = [1000 + next(ids), *range(1001, 1000 + PROMPT)]
                 pieced = step and tk.low_band and q.top_band_about(now) and len(prompt) >= 2 * step
-                send(tk, prompt, step if pieced else len(prompt))
+                if pieced and q.top_band_pending():  # (the first piece waits too)
+                    held.append((tk, prompt, step))
+                else:
+                    send(tk, prompt, step if pieced else len(prompt))
             elif tk.state == "shed":  # at its latest start, or overtaken
                 client, measured = tk.waiter
                 if measured:
                     res.shed[client.name] = res.shed.get(client.name, 0) + 1
+        if held and not q.top_band_pending():
+            for h in held:
+                send(*h)
+            held.clear()
         if plan is None:
             eng.now = max(eng.now, now)
             planned = eng.plan_step()
@@ -290,7 +310,7 @@ def floor_p99(loaded: Result, alone: Result, client: str) -> float | None:
     floors = []
     for t in times:
         ready = t + loaded.front_end_s
-        i = bisect.bisect_right(starts, ready) - 1
+        i = bisect.bisect_left(starts, ready) - 1  # (a step that starts as it gets there may take it)
         rest = loaded.steps[i][1] - ready if i >= 0 and loaded.steps[i][1] > ready else 0.0
         floors.append(loaded.front_end_s + min(rest, one) + one)
     return float(np.percentile(floors, 99))
@@ -317,12 +337,17 @@ def priority_cell(seed: int, cfg: AdmissionCfg, host: Host = A100) -> dict[str, 
 def fairness_cell(seed: int, cfg: AdmissionCfg, host: Host = A100) -> dict[str, Any]:
     """Each quiet tenant's TTFT p99 with the heavy one sending 30x, against the same arrivals alone, and
     Jain's index over the served tokens of the tenants that had a request shed (the experiment's
-    ``jain_backlogged``; with one such tenant or none, the check reads 1)."""
+    ``jain_backlogged``; with one such tenant or none, the check reads 1). As in the experiment, the
+    baseline runs after the priority cells (another tenant's traffic warms the queue) and the 4-tenant
+    cell after the baseline and its drain, on the same gateway: the quiet tenants are known to it when
+    the heavy one starts."""
     duration_s = host.fairness_s
     cell = arrivals(FAIRNESS_MIX, host.rate, duration_s, seed)
     quiet = {"q1", "q2", "q3"}
-    loaded = run(cell, cfg, duration_s, host=host)
-    alone = run(only(cell, quiet), cfg, duration_s, host=host)
+    baseline = only(cell, quiet)
+    loaded = run(cell, cfg, duration_s, host=host, warm_tenant="default", before=baseline,
+                 before_s=duration_s + DRAIN_S)
+    alone = run(baseline, cfg, duration_s, host=host, warm_tenant="default")
     backlogged = sorted(c for c, n in loaded.shed.items() if n)
     jain_b = jain([loaded.served.get(c, 0) for c in backlogged]) if len(backlogged) > 1 else None
     out = {}

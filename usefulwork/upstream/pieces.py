@@ -8,6 +8,9 @@ one-token completion of a longer prefix of the same tokens, the batch prompt's p
 short steps with the interactive prompt free to go between any two; the request itself then finds the
 pieces in the prefix cache and prefills only the rest.
 
+While a top-band prompt waits for its first token, the next piece waits too (``PIECE_HOLD``, set by the
+admission filter): a piece sent then would share that prompt's step and lengthen it.
+
 The tokens come from the replica itself (vLLM's ``/tokenize``, with the request's messages and chat
 settings), so the request's own tokenization finds them. Pieces are whole KV blocks (the replica's
 ``block_size`` from ``vllm:cache_config_info``): the cache keeps full blocks only. Anything that goes
@@ -33,6 +36,9 @@ log = logging.getLogger("usefulwork.pieces")
 
 PREFILL_CHUNK = "prefill_chunk"  # ``Call.memo`` key: tokens per piece, set by the admission filter
 PIECES_SENT = "prefill_pieces"  # ``Call.memo`` key: how many pieces the forwarder sent before the request
+# ``Call.memo`` key: an async callable the forwarder awaits before each piece (the admission filter's: it returns
+# once no top-band prompt is pending in the pool, or after a bounded wait)
+PIECE_HOLD = "prefill_piece_hold"
 PIECED_OPS = frozenset({"chat", "completions"})  # the operations whose prompt can be tokenized and pieced
 # The chat request's fields that shape its tokens (vLLM's /tokenize takes the same)
 _CHAT_TOKENIZE_KEYS = ("add_generation_prompt", "continue_final_message", "tools", "chat_template",
@@ -110,8 +116,11 @@ async def prefill_in_pieces(call: Call, replica: Replica, headers: bytes, chunk:
     body: dict[str, Any] = {"model": call.body.get("model"), "max_tokens": 1, "stream": False}
     if "priority" in call.body:  # (the admission filter's: the pieces wait in vLLM's queue as the request would)
         body["priority"] = call.body["priority"]
+    hold = call.memo.get(PIECE_HOLD)
     sent = 0
     for upto in range(step, len(ids), step):
+        if hold is not None:
+            await hold()
         if await _post(replica, b"/v1/completions", {**body, "prompt": ids[:upto]}, headers) is None:
             break
         sent += 1

@@ -12,7 +12,8 @@ import pytest
 
 from usefulwork.gateway.admission.capacity import Capacity, Sample
 from usefulwork.gateway.admission.config import AdmissionCfg
-from usefulwork.gateway.admission.queue import (RETRY_MARGIN_MAX_S, SDK_RETRY_AFTER_MAX_S, Decision, PoolQueue, Ticket,
+from usefulwork.gateway.admission.queue import (OTHERS_RECENT_S, RETRY_MARGIN_MAX_S, SDK_RETRY_AFTER_MAX_S, Decision,
+                                               PoolQueue, Ticket,
                                                retry_after_header)
 
 SLO = (2.0, 0.1, 5.0)  # ttft, tpot, e2e (s)
@@ -303,13 +304,22 @@ def test_vllm_priority_puts_tenants_under_their_share_first_within_a_class():
     q.offer(alone, 0.0)
     b = ticket(0.0, "b")
     q.offer(b, 0.0)  # two tenants active: a share of 5 each
+    q.first_token(alone, 0.0)
     a_more = [ticket(0.0, "a", deadline_s=100) for _ in range(5)]
     for t in a_more:
         q.offer(t, 0.0)
+        q.first_token(t, 0.0)  # (each one's prefill done before the next: see the turn below)
     b_batch = ticket(0.0, "b", cls=1, deadline_s=100)
     q.offer(b_batch, 0.0)
     assert [t.engine_priority for t in (alone, b, *a_more)] == [0, 0, 0, 0, 0, 0, 1]  # a's 6th: over its 5
     assert b_batch.state == "admitted" and b_batch.engine_priority == 2
+    # within its share, a tenant takes one turn of the top band's prefills at a time while others are active:
+    # b's prompt is pending, so its next one goes after the other tenants' top-band prompts
+    b2 = ticket(0.0, "b")
+    assert q.offer(b2, 0.0).kind == "admit" and b2.engine_priority == 1 and b2.low_band
+    q.first_token(b, 0.1)
+    b3 = ticket(0.1, "b")
+    assert q.offer(b3, 0.1).kind == "admit" and b3.engine_priority == 0 and not b3.low_band
 
 
 def test_vtc_shares_tokens_by_weight_and_lifts_returning_tenant():
@@ -1744,14 +1754,40 @@ def test_a_tenant_over_its_fair_share_is_low_band_while_a_quiet_tenant_is_about(
     assert q.first_token(more[0], 0.3) == [] and q.low_band_free(0, "heavy") == 0  # quiet2 is pending
     assert q.first_token(quiet2, 0.32) == [] and q.low_band_free(0, "heavy") == 1  # (its slots are taken now)
     assert q.release(heavy[0], 0.4) == [more[1]]
-    # the quiet tenant's work is done: it still counts toward the shares for tenant_active_s (heavy stays
-    # over its share), but there is nobody left to protect, so heavy's prompts are not held one at a time
+    # the quiet tenant's work is done: between two of its requests it is still about for OTHERS_RECENT_S
+    # (its next prompt would meet every prompt heavy put in vLLM meanwhile) ...
     for t in (quiet, quiet2):
         q.first_token(t, 0.5)
         q.release(t, 0.6)
+    assert q.over_share("heavy", q.capacity.current()) and q.low_band_free(0, "heavy") == 0
+    # ... then it still counts toward the shares for tenant_active_s (heavy stays over its share), but there
+    # is nobody left to protect, so heavy's prompts are not held one at a time
+    later = 0.2 + OTHERS_RECENT_S + 0.1
+    late = [ticket(later, "heavy", deadline_s=100) for _ in range(2)]
+    assert [q.offer(t, later).kind for t in late] == ["admit", "admit"]
     assert q.over_share("heavy", q.capacity.current()) and q.low_band_free(0, "heavy") is None
-    late = [ticket(0.7, "heavy", deadline_s=100) for _ in range(2)]
-    assert [q.offer(t, 0.7).kind for t in late] == ["admit", "admit"]
+
+
+def test_a_callback_waits_for_the_top_bands_pending_prompts_and_no_longer():
+    """``when_top_band_clear`` (what a low-band prompt's next prefill piece waits on): called at once when no
+    top-band prompt is pending; else once the last pending one has its first token (or ends), not when a
+    low-band one does."""
+    q = _priority_queue(1, limit=10)
+    calls = []
+    q.when_top_band_clear(lambda: calls.append("now"))
+    assert calls == ["now"]
+    top = [ticket(0.0, "a") for _ in range(2)]
+    batch = ticket(0.0, "a", cls=1, deadline_s=100)
+    assert [q.offer(t, 0.0).kind for t in (batch, *top)] == ["admit"] * 3 and q.top_band_pending()
+    q.when_top_band_clear(lambda: calls.append("clear"))
+    q.first_token(batch, 0.1)
+    q.first_token(top[0], 0.1)
+    assert calls == ["now"] and q.top_band_pending()
+    q.release(top[1], 0.2)  # (ended without a first token: its place frees all the same)
+    assert calls == ["now", "clear"] and not q.top_band_pending()
+    q.offer(ticket(0.3, "a"), 0.3)
+    q.first_token(next(t for t in q.running if t.prefilling), 0.4)
+    assert calls == ["now", "clear"]  # (called once)
 
 
 def test_holding_back_low_band_prompts_keeps_interactive_first_tokens_fast_at_the_same_throughput():
@@ -1976,7 +2012,9 @@ def test_a_pumps_look_at_every_tenant_prices_each_as_free_does():
         q.weight_of = lambda u, weights=weights: weights[u]
         now = 0.0
         for u in weights:
-            now += rng.choice([0.0, 0.01, 20.0])  # (20 s: the tenants before may have gone quiet)
+            # (8 s: the tenants before are no longer about (OTHERS_RECENT_S) but still count toward the shares;
+            # 20 s: they may have gone quiet)
+            now += rng.choice([0.0, 0.01, 8.0, 8.0, 20.0])
             for _ in range(rng.choice([0, 1, 2, 5, 12])):
                 q.offer(ticket(now, u, cls=rng.choice([0, 0, 1, 2]), deadline_s=rng.choice([0.5, 50.0])), now)
         for t in sorted(q.running, key=lambda t: t.arrival):

@@ -182,15 +182,32 @@ class SimServer:
         if temp is not None and (not isinstance(temp, (int, float)) or temp < 0):
             raise APIError(400, "temperature must be non-negative.", param="temperature")
 
-    def parse_chat(self, body: dict[str, Any]) -> ParsedRequest:
-        self._check_model(body)
-        self._common(body)
+    @staticmethod
+    def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise APIError(400, "messages must be a non-empty list of message objects.", param="messages")
         for m in messages:
             if not isinstance(m.get("role"), str):
                 raise APIError(400, "every message needs a string `role`.", param="messages")
+        return messages
+
+    def tokenize(self, body: dict[str, Any]) -> list[int]:
+        """vLLM's ``/tokenize``: the tokens a chat (``messages``) or a completion's string ``prompt`` is
+        prefilled with, as the request itself would be."""
+        self._check_model(body)
+        if "messages" in body:
+            return self.tokenizer.encode_chat(self._messages(body),
+                                              add_generation_prompt=bool(body.get("add_generation_prompt", True)))
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise APIError(400, "prompt must be a string (or give messages).", param="prompt")
+        return self.tokenizer.encode(prompt, add_special_tokens=bool(body.get("add_special_tokens", True)))
+
+    def parse_chat(self, body: dict[str, Any]) -> ParsedRequest:
+        self._check_model(body)
+        self._common(body)
+        messages = self._messages(body)
         top = body.get("top_logprobs")
         want_lp = bool(body.get("logprobs", False))
         if top is not None:
@@ -611,6 +628,13 @@ def build_app(server: SimServer) -> Starlette:
                                for i, one in enumerate(ids)],
                       "usage": {"prompt_tokens": n, "total_tokens": n}})
 
+    async def tokenize(request: Request) -> Response:
+        try:
+            ids = server.tokenize(await _body(request))
+        except APIError as e:
+            return error_response(e.status, e.message, e.type, e.param)
+        return _json({"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids, "token_strs": None})
+
     async def models(request: Request) -> Response:
         return _json({"object": "list", "data": [{
             "id": server.served_model_name, "object": "model", "created": server.created, "owned_by": "vllm",
@@ -664,6 +688,7 @@ def build_app(server: SimServer) -> Starlette:
             Route("/v1/responses", responses, methods=["POST"]),
             Route("/v1/responses/{response_id}", retrieve_response, methods=["GET"]),
             Route("/v1/embeddings", embeddings, methods=["POST"]),
+            Route("/tokenize", tokenize, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics_route, methods=["GET"]),

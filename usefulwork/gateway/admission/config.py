@@ -50,7 +50,8 @@ class AdmissionCfg(BaseModel):
                                    "work (interactive, of a tenant within its fair share) was offered in the last "
                                    "tenant_active_s, low-band work (batch and sheddable, or a tenant over its fair share) "
                                    "keeps at most this many prompts per replica pending in vLLM (sent, no first token "
-                                   "yet; a tenant over its share only while another tenant has work in the pool), and none while a top-band prompt is "
+                                   "yet; a tenant over its share only while another tenant has work in the pool or sent some in the last "
+                                   "5 s), and none while a top-band prompt is "
                                    "pending, so an interactive prompt does not share its engine step with theirs (0: off).")
     low_band_prefill_chunk: int = Field(0, ge=0, description="With low_band_prefills, on replicas with vLLM's prefix "
                                         "cache (V1's default): while top-band work is about, a low-band chat or "
@@ -59,7 +60,11 @@ class AdmissionCfg(BaseModel):
                                         "on the replica (/tokenize) and sends each growing prefix as a one-token completion "
                                         "before the request itself, which then finds them in the prefix cache. An engine "
                                         "step is not preempted: a top-band prompt that arrives during a low-band prefill "
-                                        "waits for one piece instead of the whole prompt (0: off).")
+                                        "waits for one piece instead of the whole prompt. A piece waits while a top-band "
+                                        "prompt is pending (up to two prefill times), so it does not share that prompt's "
+                                        "step. Pieces are cheap where an engine step's fixed cost is small against a "
+                                        "prompt's prefill; several pieced prompts per replica (low_band_prefills) keep the "
+                                        "batch work's pace (0: off).")
     max_queue: int = Field(4096, ge=0, description="Queued requests per pool beyond which new ones are shed.")
     retry_return_prior: float = Field(0.5, ge=0, le=1, description="Share of a tenant's shed requests assumed to come "
                                       "back at their Retry-After before any of its held places has ended (counted as one "

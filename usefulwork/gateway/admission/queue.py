@@ -110,6 +110,10 @@ CLIENT_TIMEOUT_SHARE = 0.95
 # simulated A100's pool and 10 s on a 2-core CPU vLLM's, where the slots freed before the retry came back.
 RETRY_MARGIN_PLACES = 4
 RETRY_MARGIN_MAX_S = 2.0
+# A tenant over its share is held to the low band's prefill places while another tenant sent work this recently
+# (or has some in flight): about a quiet tenant's gap between two requests; longer held the heavy tenant's own
+# burst for up to the fair share's whole horizon after the others had gone (``low_band_free``).
+OTHERS_RECENT_S = 5.0
 QUEUE_SAFETY = 0.75  # queue only when the predicted wait leaves a quarter of the budget spare (slots free in clumps)
 State = Literal["new", "queued", "admitted", "released", "shed", "cancelled"]
 
@@ -148,7 +152,9 @@ class Ticket:
     admitted_at: float | None = None
     inflight_at_admit: int = 0
     charged: float = 0.0  # weighted tokens charged to the tenant's counter so far
-    over_share: bool = False  # its tenant held its fair share of the SLO limit when it was admitted
+    # its tenant held its fair share of the SLO limit when it was admitted, or had its turn of the top band's
+    # prefills already (``PoolQueue._turn_taken``)
+    over_share: bool = False
     waiter: Any = None  # the filter's future, resolved when the ticket is admitted or shed
     shed_reason: str | None = None
     retry_after_s: float | None = None  # shed: when its retry fits (its place is held); set by the queue
@@ -243,7 +249,9 @@ class PoolQueue:
     pending: int = 0  # prefills admitted and not yet answered (first token not seen), all classes
     pending_inter: int = 0  # of those, interactive
     pending_low: int = 0  # of those, low band (``Ticket.low_band``)
+    pending_top_tenant: dict[str, int] = field(default_factory=dict)  # the others (top band), per tenant
     _top_seen: float = -math.inf  # the last offer of top-band work (interactive, its tenant within its share)
+    _on_top_clear: list[Callable[[], None]] = field(default_factory=list)  # ``when_top_band_clear``'s callbacks
     _prefill_due: list = field(default_factory=list)  # heap of (when a unary prefill is deemed done, seq, ticket)
     _seq: Any = field(default_factory=itertools.count)
     _now: float = 0.0  # the time of the call in progress (every entry point takes ``now``)
@@ -286,9 +294,22 @@ class PoolQueue:
         return n if low is None else min(n, low)
 
     def low_band(self, cls: int, tenant: str | None) -> bool:
-        """Below the top band: a lower class, or a tenant already holding its fair share while others are active."""
+        """Below the top band: a lower class, or a tenant already holding its fair share while others are active,
+        or one whose turn of the top band's prefills is taken (``_turn_taken``)."""
         return cls > 0 or (tenant is not None and bool(self.tenant_headroom)
-                           and self.over_share(tenant, self.capacity.current()))
+                           and (self.over_share(tenant, self.capacity.current()) or self._turn_taken(tenant)))
+
+    def _turn_taken(self, tenant: str) -> bool:
+        """While other tenants are active, ``tenant`` already has a top-band prompt pending per replica: its next
+        interactive prompt goes in the low band (after the others' top-band prompts in vLLM's queue, gated,
+        prefilled in pieces where ``low_band_prefill_chunk`` says so), so a tenant within its share of the
+        slots still takes one prompt's turn of the prefills at a time. (Virtual clock, the simulated A100's
+        fairness cell, 12 seeds: a heavy tenant still under its share as the cell starts, or back under it
+        after a few answers, put three to five whole prompts in one step, and a quiet prompt that came then
+        waited for that step and shared the next: the worst quiet tenant 1.14-2.90x its first tokens alone,
+        1.14-1.51x with this turn; docs/benchmarks.md section 7, session 61.)"""
+        return (self.pending_top_tenant.get(tenant, 0) >= self.capacity.count()
+                and self.share_state(tenant, self.capacity.current()) != 0)
 
     def low_band_free(self, cls: int, tenant: str | None = None) -> int | None:
         """Prefill places free for low-band work (None: not gated). Under vLLM's priority scheduling a waiting
@@ -299,12 +320,15 @@ class PoolQueue:
         pending in vLLM; the rest waits in the gateway's queue, where it does not delay anyone. Decode slots
         are not limited by this: batch work still fills the pool.
 
-        A tenant over its share is gated only while another tenant has work in the pool: the share counts a
-        tenant for ``tenant_active_s`` after its last request, and gating on that alone held a tenant's own
-        burst to one prompt at a time for up to half a minute after the other tenant had gone (its own
-        earlier, top-band requests kept the gate open against it). In the real CPU vLLM experiment the
-        retrying clients' burst follows another tenant's: 54% of them were admitted on a first retry with
-        that rule, 91% before the gate existed.
+        A tenant over its share is gated only while another tenant has work in the pool or sent some in the
+        last ``OTHERS_RECENT_S`` (``_others_in_pool``): the share counts a tenant for ``tenant_active_s`` after
+        its last request, and gating on that alone held a tenant's own burst to one prompt at a time for up
+        to half a minute after the other tenant had gone (its own earlier, top-band requests kept the gate
+        open against it). In the real CPU vLLM experiment the retrying clients' burst follows another
+        tenant's: 54% of them were admitted on a first retry with that rule, 91% before the gate existed.
+        Counting work in flight alone let the heavy tenant of the simulated A100's fairness cell put six or
+        more prompts in vLLM whenever the quiet tenants had none, and their next prompt shared its step
+        with them.
 
         Not gated before a prefill time is known (from streams' first tokens or the replicas' own figure,
         ``Capacity.prefill_time``): a unary prompt's place is then held until its answer ends, so the gate
@@ -334,7 +358,24 @@ class PoolQueue:
         return now - self._top_seen < self.tenant_active_s
 
     def _others_in_pool(self, tenant: str) -> bool:
-        return any(n > 0 for u, n in self.inflight_tenant.items() if u != tenant)
+        """Another tenant has work in the pool, or sent some in the last ``OTHERS_RECENT_S``: a quiet tenant
+        between two requests is still about (counting work in flight alone let the heavy tenant fill the
+        steps whenever the quiet ones had none, and their next prompt met several of its prompts)."""
+        if any(n > 0 for u, n in self.inflight_tenant.items() if u != tenant):
+            return True
+        since = self._now - OTHERS_RECENT_S
+        return any(seen > since for u, seen in self.last_seen.items() if u != tenant)
+
+    def top_band_pending(self) -> bool:
+        """A top-band prompt is admitted and its first token not seen yet (under priority scheduling)."""
+        return self.pending > self.pending_low
+
+    def when_top_band_clear(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (once) when no top-band prompt is pending any more: at once if none is."""
+        if self.top_band_pending():
+            self._on_top_clear.append(callback)
+        else:
+            callback()
 
     def prefill_pending(self, cls: int, tenant: str | None = None) -> int | None:
         """Pending prefills that delay a first token of class ``cls`` (of ``tenant``; None: not gated).
@@ -1168,19 +1209,23 @@ class PoolQueue:
         """Whether a tenant's queued ticket of class ``cls`` may take a place now (``free(cls, tenant) > 0``),
         for a look at every tenant with work queued. What a tenant within or over its share may take
         depends on the tenant only through its share state and whether another tenant has work in the
-        pool, so it is priced once per pair; a tenant under its share is priced on its own (the heavy
+        pool or sent some lately (``_others_in_pool``), so it is priced once per pair; a tenant under its
+        share is priced on its own (its turn of the top band's prefills, ``_turn_taken``; the heavy
         tenants' work beyond its max-min share). Priced per tenant, a release whose pump found no tenant
         that could go cost 600-650 us at 200 tenants with work queued; priced so, 280-300 us
         (``benchmarks/admission_tenants.py``)."""
         slo = self.capacity.current()
         busy = sum(1 for n in self.inflight_tenant.values() if n > 0)
+        since = self._now - OTHERS_RECENT_S
+        recent = {u for u, seen in self.last_seen.items() if seen > since}
         memo: dict[tuple[int, bool], bool] = {}
 
         def may_go(tenant: str) -> bool:
             state = self.share_state(tenant, slo)
             if state == -1:
                 return self.free(cls, tenant) > 0
-            key = (state, busy - (self.inflight_tenant.get(tenant, 0) > 0) > 0)
+            others = busy - (self.inflight_tenant.get(tenant, 0) > 0) > 0 or len(recent) - (tenant in recent) > 0
+            key = (state, others)
             if key not in memo:
                 memo[key] = self.free(cls, tenant) > 0
             return memo[key]
@@ -1341,7 +1386,11 @@ class PoolQueue:
 
     # -- prefill places --
     def _start_prefill(self, t: Ticket, now: float) -> None:
+        if t.cls == 0 and not t.over_share and self.tenant_headroom and self._turn_taken(t.tenant):
+            t.over_share = True
         t.low_band = t.cls > 0 or t.over_share
+        if not t.low_band:
+            self.pending_top_tenant[t.tenant] = self.pending_top_tenant.get(t.tenant, 0) + 1
         # the prompts it waits behind (``prefill_pending``): the prefill limit learns per prompt ahead
         if not self.capacity.priority_scheduling:
             ahead = self.pending
@@ -1368,6 +1417,12 @@ class PoolQueue:
             self.pending_inter -= 1
         if t.low_band:
             self.pending_low -= 1
+        else:
+            _count_down(self.pending_top_tenant, t.tenant)
+        if self._on_top_clear and not self.top_band_pending():
+            waiting, self._on_top_clear = self._on_top_clear, []
+            for callback in waiting:
+                callback()
 
     def _prefills_due(self, now: float) -> None:
         due = self._prefill_due
