@@ -686,6 +686,45 @@ def test_low_band_prompts_go_in_pieces_only_while_top_band_work_is_about(policy,
         assert f.stats().get("prefilled_in_pieces", 0) == 0
 
 
+def test_a_marked_calls_pieces_wait_for_the_top_bands_pending_prompt_and_no_longer_than_two_prefills():
+    """The hold the filter hands the forwarder with a marked call (``Call.memo[PIECE_HOLD]``): it returns at
+    once when no top-band prompt is pending, when the pending one's first token comes, and at the latest
+    after two prefill times."""
+    import time
+
+    from usefulwork.gateway.admission.queue import Ticket
+    from usefulwork.upstream.pieces import PIECE_HOLD
+
+    pools = [{"name": "p", "models": [MODEL], "replicas": ["http://127.0.0.1:9"], "scheduling_policy": "priority"}]
+    f = make_filter(make_cfg(pools=pools, admission={"low_band_prefill_chunk": 64}))
+
+    async def go():
+        be = Backend()
+        for p in ("interactive", "batch"):
+            await (await f(make_call(f, priority=p), be)).aclose()
+        hold = be.calls[1].memo[PIECE_HOLD]
+        q = f.queues["p"]
+        q.capacity.prefill_each = 0.2  # (as if learnt from first tokens)
+        t0 = time.perf_counter()
+        await asyncio.wait_for(hold(), 1.0)  # nothing pending: at once
+        at_once = time.perf_counter() - t0
+        top = Ticket("default", 0, 100.0, 0.0, 10.0)
+        assert q.offer(top, f.clock()).kind == "admit" and q.top_band_pending()
+        waiting = asyncio.create_task(hold())
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        q.first_token(top, f.clock())
+        await asyncio.wait_for(waiting, 0.1)  # its first token: the piece goes
+        top2 = Ticket("default", 0, 100.0, f.clock(), f.clock() + 10.0)
+        assert q.offer(top2, f.clock()).kind == "admit"
+        t0 = time.perf_counter()
+        await asyncio.wait_for(hold(), 2.0)  # never answered: two prefill times
+        return at_once, time.perf_counter() - t0
+
+    at_once, bounded = asyncio.run(go())
+    assert at_once < 0.05 and 0.35 <= bounded < 0.8, (at_once, bounded)
+
+
 def test_two_replicas_settle_a_retrys_return_through_redis(redis_url):
     """Replica A sheds a request and holds its place; the client's retry reaches replica B, which holds no
     place for the tenant. When A lets the place go, its syncs with B (through the real Redis) learn it as

@@ -300,16 +300,17 @@ class PoolQueue:
                            and (self.over_share(tenant, self.capacity.current()) or self._turn_taken(tenant)))
 
     def _turn_taken(self, tenant: str) -> bool:
-        """While other tenants are active, ``tenant`` already has a top-band prompt pending per replica: its next
-        interactive prompt goes in the low band (after the others' top-band prompts in vLLM's queue, gated,
-        prefilled in pieces where ``low_band_prefill_chunk`` says so), so a tenant within its share of the
-        slots still takes one prompt's turn of the prefills at a time. (Virtual clock, the simulated A100's
-        fairness cell, 12 seeds: a heavy tenant still under its share as the cell starts, or back under it
-        after a few answers, put three to five whole prompts in one step, and a quiet prompt that came then
-        waited for that step and shared the next: the worst quiet tenant 1.14-2.90x its first tokens alone,
-        1.14-1.51x with this turn; docs/benchmarks.md section 7, session 61.)"""
-        return (self.pending_top_tenant.get(tenant, 0) >= self.capacity.count()
-                and self.share_state(tenant, self.capacity.current()) != 0)
+        """While another tenant is about (``_others_in_pool``), ``tenant`` already has a top-band prompt pending
+        per replica: its next interactive prompt goes in the low band (after the others' top-band prompts in
+        vLLM's queue, gated, prefilled in pieces where ``low_band_prefill_chunk`` says so), so a tenant within
+        its share of the slots still takes one prompt's turn of the prefills at a time. (Virtual clock, the
+        simulated A100's fairness cell: a heavy tenant back under its share after a few answers put three to
+        five whole prompts in one step, and a quiet prompt that came then waited for that step and shared the
+        next. Counted while other tenants were merely active, the shares' 30 s horizon, it also took a lone
+        tenant's own concurrent prompts out of the top band for half a minute after another had gone: the
+        simulated A100's unloaded interactive baseline, after the retrying clients' cell, went from 0.19 to
+        0.46 s, its prompts pieced for nobody. docs/benchmarks.md section 7, session 61.)"""
+        return self.pending_top_tenant.get(tenant, 0) >= self.capacity.count() and self._others_in_pool(tenant)
 
     def low_band_free(self, cls: int, tenant: str | None = None) -> int | None:
         """Prefill places free for low-band work (None: not gated). Under vLLM's priority scheduling a waiting
