@@ -468,8 +468,9 @@ class AdmissionFilter:
         """Until no top-band prompt is pending in ``queue``, at most ``PIECE_HOLD_PREFILLS`` of its prefill
         times: the forwarder awaits it before each piece of a low-band prompt (usefulwork/upstream/pieces.py),
         which would otherwise share that prompt's step. (Virtual clock, the simulated A100's priority cell
-        with 64-token pieces, three per replica: interactive TTFT p99 1.04-1.17x -> 1.04-1.11x its arrivals
-        alone, the engine's tokens/s 96.7-100% of admission off: docs/benchmarks.md section 7, session 61.)"""
+        with 64-token pieces, three per replica, six seeds: interactive TTFT p99 1.03-1.30x -> 1.04-1.11x its
+        arrivals alone, the engine's tokens/s 100-108% -> 97-100% of admission off: docs/benchmarks.md
+        section 7, session 61.)"""
         each = queue.capacity.prefill_time()
         if each is None or not queue.top_band_pending():
             return
