@@ -126,9 +126,12 @@ def test_admission_experiment_is_valid_and_plans_its_cells():
     assert ("optimized-batched-admission-on", "capacity-10") not in cells  # per-case profile selection
     on = next(p for p in exp.profiles if p.name.endswith("admission-on"))
     cfg = gateway_config(exp, on, "http://127.0.0.1:1", 1)
-    # the filter's defaults, nothing tuned; its workload times in wall seconds as the SLO (time scale 0.5)
+    # the filter's defaults but the prefill pieces (off by default: 64-token pieces, three per replica at a time,
+    # the setting docs/admission.md gives for this engine); its workload times in wall seconds as the SLO
+    # (time scale 0.5)
     assert cfg["filters"] == ["admission"] and cfg["slo"]["ttft_ms"] == 4000.0
-    assert cfg["admission"] == {"deadline_ms": {"batch": 120000.0}, "tenant_active_s": 60.0}
+    assert cfg["admission"] == {"deadline_ms": {"batch": 120000.0}, "tenant_active_s": 60.0,
+                                "low_band_prefill_chunk": 64, "low_band_prefills": 3}
     from usefulwork.config import from_mapping
 
     loaded = from_mapping(cfg, environ={})
