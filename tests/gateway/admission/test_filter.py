@@ -719,6 +719,7 @@ def test_a_marked_calls_pieces_wait_for_the_top_bands_pending_prompt_and_no_long
         assert q.offer(top2, f.clock()).kind == "admit"
         t0 = time.perf_counter()
         await asyncio.wait_for(hold(), 2.0)  # never answered: two prefill times
+        assert q._on_top_clear == []  # (the given-up wait took its callback back)
         return at_once, time.perf_counter() - t0
 
     at_once, bounded = asyncio.run(go())

@@ -1788,6 +1788,14 @@ def test_a_callback_waits_for_the_top_bands_pending_prompts_and_no_longer():
     q.offer(ticket(0.3, "a"), 0.3)
     q.first_token(next(t for t in q.running if t.prefilling), 0.4)
     assert calls == ["now", "clear"]  # (called once)
+    # a wait given up takes its callback back: it is not called, nor kept until the top band clears
+    pending = ticket(0.5, "a")
+    q.offer(pending, 0.5)
+    forget = q.when_top_band_clear(lambda: calls.append("given up"))
+    forget()
+    assert q._on_top_clear == []
+    q.first_token(pending, 0.6)
+    assert calls == ["now", "clear"]
 
 
 def test_holding_back_low_band_prompts_keeps_interactive_first_tokens_fast_at_the_same_throughput():

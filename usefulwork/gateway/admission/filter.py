@@ -475,11 +475,11 @@ class AdmissionFilter:
         if each is None or not queue.top_band_pending():
             return
         clear = asyncio.get_running_loop().create_future()
-        queue.when_top_band_clear(lambda: clear.done() or clear.set_result(None))
+        forget = queue.when_top_band_clear(lambda: clear.done() or clear.set_result(None))
         try:
             await asyncio.wait_for(clear, PIECE_HOLD_PREFILLS * each)
         except TimeoutError:
-            pass
+            forget()
 
     async def _wait(self, queue: PoolQueue, t: Ticket) -> bool:
         loop = asyncio.get_running_loop()

@@ -371,12 +371,15 @@ class PoolQueue:
         """A top-band prompt is admitted and its first token not seen yet (under priority scheduling)."""
         return self.pending > self.pending_low
 
-    def when_top_band_clear(self, callback: Callable[[], None]) -> None:
-        """Call ``callback`` (once) when no top-band prompt is pending any more: at once if none is."""
-        if self.top_band_pending():
-            self._on_top_clear.append(callback)
-        else:
+    def when_top_band_clear(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call ``callback`` (once) when no top-band prompt is pending any more: at once if none is. Returns
+        what takes it back (a wait given up: under steady interactive load the top band may not clear for a
+        long time, and each given-up wait would leave its callback here until it did)."""
+        if not self.top_band_pending():
             callback()
+            return _nothing
+        self._on_top_clear.append(callback)
+        return lambda: callback in self._on_top_clear and self._on_top_clear.remove(callback)
 
     def prefill_pending(self, cls: int, tenant: str | None = None) -> int | None:
         """Pending prefills that delay a first token of class ``cls`` (of ``tenant``; None: not gated).
@@ -1472,6 +1475,10 @@ class PoolQueue:
                 "shed": dict(self.shed_total), "shed_demand": self.shed_demand(now, prune=False),
                 "capacity": self.capacity.stats(),
                 "fair_share_tokens": {k: round(v, 1) for k, v in self.counters.items()}}
+
+
+def _nothing() -> None:
+    pass
 
 
 def _count_down(counts: dict[str, int], key: str) -> None:
