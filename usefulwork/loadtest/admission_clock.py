@@ -191,8 +191,12 @@ def run(cell: list[tuple[float, Client]], admission: AdmissionCfg | None, durati
     held: list[tuple[Ticket, list[int], int]] = []  # next pieces waiting for the top band's pending prompts
 
     def send(tk: Ticket, prompt: list[int], upto: int) -> None:
-        """The next piece of ``tk``'s prompt (``upto`` tokens), or the request itself once none is left."""
+        """The next piece of ``tk``'s prompt (``upto`` tokens), or the request itself once none is left. A
+        piece waits while a top-band prompt is pending (the filter's hold, ``_top_band_clear``)."""
         if upto < len(prompt):
+            if q.top_band_pending():
+                held.append((tk, prompt, upto))
+                return
             pieces[eng.add_request(prompt[:upto], 1, ignore_eos=True, arrival_time=now,
                                    priority=tk.engine_priority)] = (tk, prompt, upto)
             res.pieces += 1
@@ -234,10 +238,7 @@ def run(cell: list[tuple[float, Client]], admission: AdmissionCfg | None, durati
                 if r in pieces:
                     if r.finish_time is not None:
                         tk, prompt, upto = pieces.pop(r)
-                        if q.top_band_pending():  # (the next piece waits for its first token: ``_top_band_clear``)
-                            held.append((tk, prompt, upto + step))
-                        else:
-                            send(tk, prompt, upto + step)
+                        send(tk, prompt, upto + step)
                     continue
                 tk, client, measured = of[r]
                 tokens += t0 + 5.0 <= now <= t0 + duration_s
@@ -267,18 +268,16 @@ def run(cell: list[tuple[float, Client]], admission: AdmissionCfg | None, durati
             if tk.state == "admitted":
                 prompt = [1000 + next(ids), *range(1001, 1000 + PROMPT)]
                 pieced = step and tk.low_band and q.top_band_about(now) and len(prompt) >= 2 * step
-                if pieced and q.top_band_pending():  # (the first piece waits too)
-                    held.append((tk, prompt, step))
-                else:
-                    send(tk, prompt, step if pieced else len(prompt))
+                send(tk, prompt, step if pieced else len(prompt))
             elif tk.state == "shed":  # at its latest start, or overtaken
                 client, measured = tk.waiter
                 if measured:
                     res.shed[client.name] = res.shed.get(client.name, 0) + 1
         if held and not q.top_band_pending():
-            for h in held:
+            waiting = held.copy()
+            held.clear()  # (``send`` appends to this list)
+            for h in waiting:
                 send(*h)
-            held.clear()
         if plan is None:
             eng.now = max(eng.now, now)
             planned = eng.plan_step()
