@@ -299,18 +299,29 @@ class PoolQueue:
         return cls > 0 or (tenant is not None and bool(self.tenant_headroom)
                            and (self.over_share(tenant, self.capacity.current()) or self._turn_taken(tenant)))
 
-    def _turn_taken(self, tenant: str) -> bool:
-        """While another tenant is about (``_others_in_pool``), ``tenant`` already has a top-band prompt pending
-        per replica: its next interactive prompt goes in the low band (after the others' top-band prompts in
-        vLLM's queue, gated, prefilled in pieces where ``low_band_prefill_chunk`` says so), so a tenant within
-        its share of the slots still takes one prompt's turn of the prefills at a time. (Virtual clock, the
+    def _turn_taken(self, tenant: str, admitted: bool = False) -> bool:
+        """While another tenant is about (``_others_in_pool``), ``tenant``, holding the most work in the pool
+        (``_holds_most``), already has a top-band prompt pending per replica: its next interactive prompt goes
+        in the low band (after the others' top-band prompts in vLLM's queue, gated, prefilled in pieces where
+        ``low_band_prefill_chunk`` says so), so a tenant within its share of the slots still takes one
+        prompt's turn of the prefills at a time. (Virtual clock, the
         simulated A100's fairness cell: a heavy tenant back under its share after a few answers put three to
         five whole prompts in one step, and a quiet prompt that came then waited for that step and shared the
         next. Counted while other tenants were merely active, the shares' 30 s horizon, it also took a lone
         tenant's own concurrent prompts out of the top band for half a minute after another had gone: the
         simulated A100's unloaded interactive baseline, after the retrying clients' cell, went from 0.19 to
         0.46 s, its prompts pieced for nobody. docs/benchmarks.md section 7, session 61.)"""
-        return self.pending_top_tenant.get(tenant, 0) >= self.capacity.count() and self._others_in_pool(tenant)
+        return (self.pending_top_tenant.get(tenant, 0) >= self.capacity.count() and self._others_in_pool(tenant)
+                and self._holds_most(tenant, admitted))
+
+    def _holds_most(self, tenant: str, admitted: bool = False) -> bool:
+        """No other tenant has more work in the pool than ``tenant`` (per unit of weight): the turn binds the
+        tenant that fills the steps, not a quiet one whose own second prompt came while its first was
+        pending (held back for its first token, that prompt waited a prefill and a round trip more than
+        beside it in one step). ``admitted``: the ticket asking is already counted in the pool (its
+        admission must find what its offer found)."""
+        mine = (self.inflight_tenant.get(tenant, 0) - admitted) / self.weight_of(tenant)
+        return all(n <= mine * self.weight_of(u) for u, n in self.inflight_tenant.items() if u != tenant)
 
     def low_band_free(self, cls: int, tenant: str | None = None) -> int | None:
         """Prefill places free for low-band work (None: not gated). Under vLLM's priority scheduling a waiting
@@ -1390,7 +1401,7 @@ class PoolQueue:
 
     # -- prefill places --
     def _start_prefill(self, t: Ticket, now: float) -> None:
-        if t.cls == 0 and not t.over_share and self.tenant_headroom and self._turn_taken(t.tenant):
+        if t.cls == 0 and not t.over_share and self.tenant_headroom and self._turn_taken(t.tenant, admitted=True):
             t.over_share = True
         t.low_band = t.cls > 0 or t.over_share
         if not t.low_band:
