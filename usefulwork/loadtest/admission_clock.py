@@ -206,7 +206,11 @@ def run(cell: list[tuple[float, Client]], admission: AdmissionCfg | None, durati
     while True:
         t_arrive = timeline[i][0] if i < len(timeline) else math.inf
         t_queue = (q.next_deadline() or math.inf) if q is not None and q.queued else math.inf
-        now = min(t_arrive, plan_end, t_queue)
+        # (a paced tenant's next top-band prompt may go then: the filter's waiters look again, ``turn_free``)
+        t_turn = (q.next_turn_due() or math.inf) if q is not None and q.queued else math.inf
+        if t_turn <= now:
+            t_turn = math.inf  # (due already: nothing else may go before an event)
+        now = min(t_arrive, plan_end, t_queue, t_turn)
         if now == math.inf:
             break
         woken: list[Ticket] = []
@@ -228,6 +232,8 @@ def run(cell: list[tuple[float, Client]], admission: AdmissionCfg | None, durati
                     res.shed[client.name] = res.shed.get(client.name, 0) + 1
         elif now == t_queue:
             woken = q.expire(now)
+        elif now == t_turn:
+            woken = q.pump(now)
         elif plan is None:  # a request left the API front-end: plan below
             plan_end = math.inf
         else:

@@ -726,6 +726,44 @@ def test_a_marked_calls_pieces_wait_for_the_top_bands_pending_prompt_and_no_long
     assert at_once < 0.05 and 0.35 <= bounded < 0.8, (at_once, bounded)
 
 
+def test_a_paced_tenants_queued_prompt_goes_when_its_pace_comes_with_no_event_to_wake_it():
+    """``PoolQueue.turn_free`` paces the tenant holding the most while another was active lately but is not
+    about: its queued prompt's waiter looks again when the pace allows it (``next_turn_due``), not at its
+    latest start or when the pending prompt is deemed done. A unary prompt's first token is never seen:
+    with a 1 s prefill, the pace (0.8 s) comes before the pending prompt is deemed done (1 s)."""
+    import time
+
+    from usefulwork.gateway.admission.queue import TURN_PACE_PREFILLS
+
+    pools = [{"name": "p", "models": [MODEL], "replicas": ["http://127.0.0.1:9"], "scheduling_policy": "priority"}]
+    f = make_filter(make_cfg(pools=pools, slo={"ttft_ms": 10000, "e2e_ms": 60000}))
+
+    async def go():
+        await (await f(make_call(f, tenant="b"), Backend())).aclose()  # b was active ...
+        q = f.queues["p"]
+        q.last_seen["b"] -= 10.0  # ... 10 s ago: within the shares' horizon, not about
+        q.capacity.prefill_each = 1.0  # (as if learnt from first tokens)
+        q.capacity.service, q.capacity.svc_ttft = 8.0, 1.0
+        be = Backend(hold=True)
+        first = asyncio.create_task(f(make_call(f, tenant="a"), be))
+        await asyncio.sleep(0.01)
+        assert q.turn_free(0, "a") == 0
+        t0 = time.perf_counter()
+        second_call = make_call(f, tenant="a")
+        second = asyncio.create_task(f(second_call, Backend()))
+        await asyncio.sleep(0.02)
+        assert q.queued == 1
+        await (await second).aclose()
+        waited = time.perf_counter() - t0
+        be.gates[0].set()
+        await (await first).aclose()
+        return waited, second_call
+
+    waited, call = asyncio.run(go())
+    pace = TURN_PACE_PREFILLS * 1.0
+    assert call.ctx.admission == "queued" and pace - 0.03 <= waited < pace + 0.12, waited
+
+
 def test_two_replicas_settle_a_retrys_return_through_redis(redis_url):
     """Replica A sheds a request and holds its place; the client's retry reaches replica B, which holds no
     place for the tenant. When A lets the place go, its syncs with B (through the real Redis) learn it as

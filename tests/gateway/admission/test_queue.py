@@ -12,7 +12,7 @@ import pytest
 
 from usefulwork.gateway.admission.capacity import Capacity, Sample
 from usefulwork.gateway.admission.config import AdmissionCfg
-from usefulwork.gateway.admission.queue import (OTHERS_RECENT_S, RETRY_MARGIN_MAX_S, SDK_RETRY_AFTER_MAX_S, Decision,
+from usefulwork.gateway.admission.queue import (OTHERS_RECENT_S, TURN_PACE_PREFILLS, RETRY_MARGIN_MAX_S, SDK_RETRY_AFTER_MAX_S, Decision,
                                                PoolQueue, Ticket,
                                                retry_after_header)
 
@@ -338,6 +338,43 @@ def test_the_tenant_holding_the_most_takes_one_turn_of_the_top_band_prefills_at_
     b2, b3 = ticket(0.4, "b"), ticket(0.4, "b")
     assert q.offer(b2, 0.4).kind == "admit" and q.offer(b3, 0.4).kind == "admit"
     assert (b2.engine_priority, b3.engine_priority) == (0, 0)
+
+
+@pytest.mark.parametrize("others", ["lately", "long-gone", "about"])
+def test_while_another_tenant_was_active_lately_the_one_holding_the_most_sends_a_prompt_a_step(others):
+    """Another tenant active within the shares' horizon but not about now (nothing in the pool, nothing sent
+    in the last ``OTHERS_RECENT_S``): the tenant holding the most sends one top-band prompt per replica every
+    ``TURN_PACE_PREFILLS`` prefill times (``turn_free``); the next waits in the gateway, told that wait, and
+    goes whole in the top band when its time comes, first token or not (``next_turn_due``). Alone (the other
+    gone past the horizon) it is not paced; with the other about, the turn puts it in the low band instead."""
+    q = _priority_queue(3)
+    pace = TURN_PACE_PREFILLS * 0.1  # (the prefill time: 0.1 s)
+    b = ticket(0.0, "b")
+    q.offer(b, 0.0)
+    q.first_token(b, 0.1)
+    if others != "about":
+        q.release(b, 0.5)
+    now = {"lately": 10.0, "long-gone": 40.0, "about": 10.0}[others]
+    a = [ticket(now, "a") for _ in range(3)]
+    assert q.offer(a[0], now).kind == "admit"
+    if others == "long-gone":
+        assert q.turn_free(0, "a") is None
+        assert [q.offer(t, now).kind for t in a[1:]] == ["admit", "admit"]
+        return
+    if others == "about":  # b still decoding: the turn puts a's next prompt in the low band (gated)
+        assert q.turn_free(0, "a") is None and q._turn_taken("a")
+        assert q.offer(a[1], now).kind == "queue"
+        return
+    assert q.turn_free(0, "a") == 0
+    assert q.predict_wait(a[1], now) == pytest.approx(pace)
+    assert [q.offer(t, now).kind for t in a[1:]] == ["queue", "queue"]
+    assert q.next_turn_due() == pytest.approx(now + pace)
+    assert q.pump(now + pace / 2) == []
+    assert q.pump(now + pace) == [a[1]] and a[1].engine_priority == 0 and not a[1].low_band
+    assert q.turn_free(0, "a") == 0 and q.next_turn_due() == pytest.approx(now + 2 * pace)  # (a[0]'s is gone by)
+    q.first_token(a[0], now + pace + 0.01)  # (its first token frees nothing the pace holds)
+    assert a[2].state == "queued"
+    assert q.pump(now + 2 * pace) == [a[2]] and q.pending_top_at["a"] == [now + pace, now + 2 * pace]
 
 
 def test_vtc_shares_tokens_by_weight_and_lifts_returning_tenant():

@@ -508,9 +508,12 @@ class AdmissionFilter:
     @staticmethod
     def _next_look(queue: PoolQueue, t: Ticket, at: float) -> float:
         """When a queued ticket's waiter looks again: at ``at``, or sooner when a unary request's prefill
-        place is deemed free (no first token says so)."""
-        due = queue.next_prefill_due()
-        return at if due is None else min(at, due)
+        place is deemed free (no first token says so), or a paced tenant may send its next prompt
+        (``PoolQueue.turn_free``)."""
+        for due in (queue.next_prefill_due(), queue.next_turn_due()):
+            if due is not None:
+                at = min(at, due)
+        return at
 
     @staticmethod
     def _dispatch(queue: PoolQueue, tickets: list[Ticket]) -> None:

@@ -114,6 +114,10 @@ RETRY_MARGIN_MAX_S = 2.0
 # (or has some in flight): about a quiet tenant's gap between two requests; longer held the heavy tenant's own
 # burst for up to the fair share's whole horizon after the others had gone (``low_band_free``).
 OTHERS_RECENT_S = 5.0
+# While another tenant was active lately but is not about, the tenant holding the most sends its next top-band
+# prompt this far (in prefill times) after the one before it: by then that one is in its engine step, and the
+# next lands in vLLM's queue for the step after (``turn_free``).
+TURN_PACE_PREFILLS = 0.8
 QUEUE_SAFETY = 0.75  # queue only when the predicted wait leaves a quarter of the budget spare (slots free in clumps)
 State = Literal["new", "queued", "admitted", "released", "shed", "cancelled"]
 
@@ -250,6 +254,7 @@ class PoolQueue:
     pending_inter: int = 0  # of those, interactive
     pending_low: int = 0  # of those, low band (``Ticket.low_band``)
     pending_top_tenant: dict[str, int] = field(default_factory=dict)  # the others (top band), per tenant
+    pending_top_at: dict[str, list[float]] = field(default_factory=dict)  # ... when each was admitted (``turn_free``)
     _top_seen: float = -math.inf  # the last offer of top-band work (interactive, its tenant within its share)
     _on_top_clear: list[Callable[[], None]] = field(default_factory=list)  # ``when_top_band_clear``'s callbacks
     _prefill_due: list = field(default_factory=list)  # heap of (when a unary prefill is deemed done, seq, ticket)
@@ -291,7 +296,10 @@ class PoolQueue:
         prefill = self.prefill_free(cls, tenant)
         n = slots if prefill is None else min(slots, prefill)
         low = self.low_band_free(cls, tenant)
-        return n if low is None else min(n, low)
+        if low is not None:
+            n = min(n, low)
+        turn = self.turn_free(cls, tenant)
+        return n if turn is None else min(n, turn)
 
     def low_band(self, cls: int, tenant: str | None) -> bool:
         """Below the top band: a lower class, or a tenant already holding its fair share while others are active,
@@ -322,6 +330,47 @@ class PoolQueue:
         admission must find what its offer found)."""
         mine = (self.inflight_tenant.get(tenant, 0) - admitted) / self.weight_of(tenant)
         return all(n <= mine * self.weight_of(u) for u, n in self.inflight_tenant.items() if u != tenant)
+
+    def turn_free(self, cls: int, tenant: str | None = None) -> int | None:
+        """Top-band prompts ``tenant`` may send now (None: not paced). Where another tenant was active within
+        the shares' horizon (``tenant_active_s``) but is not about now (``_others_in_pool``; when one is, the
+        turn puts the prompt in the low band: ``_turn_taken``), the tenant holding the most work in the pool
+        sends one top-band prompt per replica every ``TURN_PACE_PREFILLS`` prefill times: its prompt pending
+        since less than that holds its place, the next waits in the gateway. So a tenant that starts a burst
+        while the others are between requests puts about one prompt in each engine step instead of three or
+        four, and a quiet prompt that comes then shares its step with one at most. (Virtual clock, the
+        simulated A100's fairness cell, 12 seeds: the cell's start, where the quiet tenants have sent nothing
+        for the 15 s drain, worst quiet tenant 2.22 / 2.30 / 2.90 / 2.67x -> 1.65 / 1.19 / 1.25 / 1.47x in
+        seeds 1 / 7 / 9 / 12. Released at the pending prompt's first token instead, as the turn does, it cost
+        a lone tenant whose neighbour had gone the round trip between a first token and the next prompt. The
+        priority cell's interactive arrivals alone after another tenant's traffic, TTFT p99 over six seeds:
+        0.166 / 0.211 / 0.352 / 0.158 / 0.292 / 0.308 s unpaced, 0.157 / 0.195 / 0.306 / 0.146 / 0.284 /
+        0.300 s paced so (two prompts in one step finish together; paced, the first is answered sooner), up
+        to 0.38 s released at first tokens; a pace of 0.45 prefill times gained little at the start (2.22 /
+        2.83 / 2.06x in seeds 1 / 9 / 12), 1.0 as much as 0.8 but slower alone in two seeds. docs/benchmarks.md
+        section 7, session 62.)"""
+        if (cls != 0 or tenant is None or not self.tenant_headroom or not self.low_band_prefills
+                or not self.capacity.priority_scheduling):
+            return None
+        at = self.pending_top_at.get(tenant)
+        if not at or self.share_state(tenant, self.capacity.current()) != -1:
+            return None  # (alone, or over its share: the low band)
+        if self._others_in_pool(tenant) or not self._holds_most(tenant):
+            return None
+        since = self._now - TURN_PACE_PREFILLS * (self.capacity.prefill_time() or 0.0)
+        return self.capacity.count() - sum(1 for a in at if a > since)
+
+    def next_turn_due(self) -> float | None:
+        """When a tenant with interactive work queued may next send a top-band prompt (``turn_free``), if later
+        than the last call's time: the filter's waiters look again then (no event of the pool's says so)."""
+        each = self.capacity.prefill_time()
+        if not each or not self.pending_top_at or not self.queues[0]:
+            return None
+        n = self.capacity.count()  # (the gate opens when the n-th latest of its pending prompts is old enough)
+        pace = TURN_PACE_PREFILLS * each
+        due = [d for u, at in self.pending_top_at.items() if len(at) >= n and self.queues[0].get(u)
+               if (d := sorted(at)[-n] + pace) > self._now]
+        return min(due, default=None)
 
     def low_band_free(self, cls: int, tenant: str | None = None) -> int | None:
         """Prefill places free for low-band work (None: not gated). Under vLLM's priority scheduling a waiting
@@ -559,6 +608,9 @@ class PoolQueue:
         low = self.low_band_free(t.cls, t.tenant)
         if low is not None and ahead > low:  # low-band prompts go one after another: each a prefill's time
             wait = max(wait, self.capacity.prefill_wait((ahead - low) / self.low_band_prefills))
+        turn = self.turn_free(t.cls, t.tenant)
+        if turn is not None and ahead > turn:  # one every TURN_PACE_PREFILLS prefill times, per replica
+            wait = max(wait, TURN_PACE_PREFILLS * self.capacity.prefill_wait(ahead - turn))
         free = max(0, self.slot_free(t.cls, t.tenant))
         position = ahead - free
         if position <= 0:
@@ -1406,6 +1458,7 @@ class PoolQueue:
         t.low_band = t.cls > 0 or t.over_share
         if not t.low_band:
             self.pending_top_tenant[t.tenant] = self.pending_top_tenant.get(t.tenant, 0) + 1
+            self.pending_top_at.setdefault(t.tenant, []).append(now)
         # the prompts it waits behind (``prefill_pending``): the prefill limit learns per prompt ahead
         if not self.capacity.priority_scheduling:
             ahead = self.pending
@@ -1434,6 +1487,10 @@ class PoolQueue:
             self.pending_low -= 1
         else:
             _count_down(self.pending_top_tenant, t.tenant)
+            at = self.pending_top_at[t.tenant]
+            at.remove(t.admitted_at)
+            if not at:
+                del self.pending_top_at[t.tenant]
         if self._on_top_clear and not self.top_band_pending():
             waiting, self._on_top_clear = self._on_top_clear, []
             for callback in waiting:
