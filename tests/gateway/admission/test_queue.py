@@ -12,8 +12,8 @@ import pytest
 
 from usefulwork.gateway.admission.capacity import Capacity, Sample
 from usefulwork.gateway.admission.config import AdmissionCfg
-from usefulwork.gateway.admission.queue import (OTHERS_RECENT_S, TURN_PACE_PREFILLS, RETRY_MARGIN_MAX_S, SDK_RETRY_AFTER_MAX_S, Decision,
-                                               PoolQueue, Ticket,
+from usefulwork.gateway.admission.queue import (OTHERS_RECENT_S, RETRY_MARGIN_MAX_S, SDK_RETRY_AFTER_MAX_S,
+                                               TURN_PACE_PREFILLS, Decision, PoolQueue, Ticket,
                                                retry_after_header)
 
 SLO = (2.0, 0.1, 5.0)  # ttft, tpot, e2e (s)

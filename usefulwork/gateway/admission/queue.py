@@ -253,8 +253,8 @@ class PoolQueue:
     pending: int = 0  # prefills admitted and not yet answered (first token not seen), all classes
     pending_inter: int = 0  # of those, interactive
     pending_low: int = 0  # of those, low band (``Ticket.low_band``)
-    pending_top_tenant: dict[str, int] = field(default_factory=dict)  # the others (top band), per tenant
-    pending_top_at: dict[str, list[float]] = field(default_factory=dict)  # ... when each was admitted (``turn_free``)
+    # the others (top band), per tenant: when each was admitted, in that order (``_turn_taken``, ``turn_free``)
+    pending_top_at: dict[str, list[float]] = field(default_factory=dict)
     _top_seen: float = -math.inf  # the last offer of top-band work (interactive, its tenant within its share)
     _on_top_clear: list[Callable[[], None]] = field(default_factory=list)  # ``when_top_band_clear``'s callbacks
     _prefill_due: list = field(default_factory=list)  # heap of (when a unary prefill is deemed done, seq, ticket)
@@ -319,7 +319,7 @@ class PoolQueue:
         tenant's own concurrent prompts out of the top band for half a minute after another had gone: the
         simulated A100's unloaded interactive baseline, after the retrying clients' cell, went from 0.19 to
         0.46 s, its prompts pieced for nobody. docs/benchmarks.md section 7, session 61.)"""
-        return (self.pending_top_tenant.get(tenant, 0) >= self.capacity.count() and self._others_in_pool(tenant)
+        return (len(self.pending_top_at.get(tenant, ())) >= self.capacity.count() and self._others_in_pool(tenant)
                 and self._holds_most(tenant, admitted))
 
     def _holds_most(self, tenant: str, admitted: bool = False) -> bool:
@@ -369,7 +369,7 @@ class PoolQueue:
         n = self.capacity.count()  # (the gate opens when the n-th latest of its pending prompts is old enough)
         pace = TURN_PACE_PREFILLS * each
         due = [d for u, at in self.pending_top_at.items() if len(at) >= n and self.queues[0].get(u)
-               if (d := sorted(at)[-n] + pace) > self._now]
+               if (d := at[-n] + pace) > self._now]
         return min(due, default=None)
 
     def low_band_free(self, cls: int, tenant: str | None = None) -> int | None:
@@ -1457,7 +1457,6 @@ class PoolQueue:
             t.over_share = True
         t.low_band = t.cls > 0 or t.over_share
         if not t.low_band:
-            self.pending_top_tenant[t.tenant] = self.pending_top_tenant.get(t.tenant, 0) + 1
             self.pending_top_at.setdefault(t.tenant, []).append(now)
         # the prompts it waits behind (``prefill_pending``): the prefill limit learns per prompt ahead
         if not self.capacity.priority_scheduling:
@@ -1486,7 +1485,6 @@ class PoolQueue:
         if t.low_band:
             self.pending_low -= 1
         else:
-            _count_down(self.pending_top_tenant, t.tenant)
             at = self.pending_top_at[t.tenant]
             at.remove(t.admitted_at)
             if not at:
