@@ -205,3 +205,27 @@ def test_traffic_of_takes_the_other_cases_traffic_and_rejects_what_would_contrad
     p.write_text(yaml.safe_dump(r))
     with pytest.raises(ExperimentError, match="arrival comes from traffic_of"):
         load_experiment(str(p)).case_for(shape, "x")
+
+
+def test_the_fairness_verdict_says_how_many_first_tokens_each_quiet_tenants_p99_is_of():
+    """A quiet tenant sends a few dozen requests in the fairness cell: its p99 is nearly its slowest, and the
+    verdict says of how many (served) first tokens, loaded and alone; a shed request has no first token."""
+    from usefulwork.loadtest.admission import verdicts
+    from usefulwork.loadtest.experiment import load_experiment
+
+    exp = load_experiment("admission")
+    on = exp.compare["admission"]["profile_on"]
+
+    def cell(case, rows):
+        keys = ("outcomes", "ttfts", "latencies", "start_times", "output_lens", "input_lens")
+        res = {k: [r[i] for r in rows] for i, k in enumerate(keys)} | {"per_request": {"group": [r[-1] for r in rows]}}
+        return {"case": case, "profile": on, "result": res}
+
+    loaded = [("ok", 0.1 + i / 100, 1.0, i, 128, 512, q) for q in ("q1", "q2", "q3") for i in range(20)]
+    loaded += [("shed", None, None, 0, 0, 512, "q1"), ("ok", 0.3, 2.0, 0, 128, 512, "heavy")]
+    alone = [("ok", 0.1, 1.0, i, 128, 512, q) for q in ("q1", "q2", "q3") for i in range(18)]
+    v = verdicts(exp, [cell("fairness-4", loaded), cell("fairness-alone", alone)])
+    q1 = v["fairness"]["quiet"]["q1"]
+    assert (q1["requests"], q1["alone_requests"]) == (20, 18)
+    assert abs(q1["ttft_p99_s"] - (0.1 + 18.81 / 100)) < 1e-9 and abs(q1["ratio"] - q1["ttft_p99_s"] / 0.1) < 1e-9
+    assert v["checks"]["quiet_ttft_p99_le_1_2x"] is False

@@ -151,8 +151,12 @@ def _throughput_until(r: dict[str, Any], end_s: float) -> float:
     return tokens / end_s
 
 
+def _ttfts(r: dict[str, Any], groups: Sequence[str]) -> list[float]:
+    return [x["ttfts"] for x in _rows(r) if x["outcomes"] == "ok" and x["group"] in groups]
+
+
 def _ttft_p99(r: dict[str, Any], groups: Sequence[str]) -> float | None:
-    return _p([x["ttfts"] for x in _rows(r) if x["outcomes"] == "ok" and x["group"] in groups], 99)
+    return _p(_ttfts(r, groups), 99)
 
 
 def verdicts(exp, cells: list[dict[str, Any]]) -> dict[str, Any]:
@@ -228,7 +232,10 @@ def verdicts(exp, cells: list[dict[str, Any]]) -> dict[str, Any]:
             p_loaded, p_base = _ttft_p99(loaded, [pri["interactive"]]), _ttft_p99(base, [pri["interactive"]])
             out["priority"] = {"interactive_ttft_p99_s": p_loaded, "unloaded_ttft_p99_s": p_base,
                                "ratio": p_loaded / p_base if p_loaded and p_base else None,
-                               "interactive_ttft_p99_off_s": _ttft_p99(loaded_off, [pri["interactive"]]) if loaded_off else None}
+                               "interactive_ttft_p99_off_s": _ttft_p99(loaded_off, [pri["interactive"]]) if loaded_off else None,
+                               # (how many first tokens each p99 is of: with a few dozen, it is nearly the slowest)
+                               "requests": len(_ttfts(loaded, [pri["interactive"]])),
+                               "unloaded_requests": len(_ttfts(base, [pri["interactive"]]))}
             checks["interactive_ttft_p99_le_1_2x"] = bool(out["priority"]["ratio"]) and out["priority"]["ratio"] <= 1.2
             if loaded_off:
                 # "at 2x overload": the backend's output while the overload is offered (the arrivals), and
@@ -249,7 +256,9 @@ def verdicts(exp, cells: list[dict[str, Any]]) -> dict[str, Any]:
         loaded_off = _cell(cells, fair["case"], off)
         if loaded and alone:
             quiet = {q: {"ttft_p99_s": _ttft_p99(loaded, [q]), "alone_ttft_p99_s": _ttft_p99(alone, [q]),
-                         "off_ttft_p99_s": _ttft_p99(loaded_off, [q]) if loaded_off else None} for q in fair["quiet"]}
+                         "off_ttft_p99_s": _ttft_p99(loaded_off, [q]) if loaded_off else None,
+                         "requests": len(_ttfts(loaded, [q])), "alone_requests": len(_ttfts(alone, [q]))}
+                     for q in fair["quiet"]}
             for v in quiet.values():
                 v["ratio"] = v["ttft_p99_s"] / v["alone_ttft_p99_s"] if v["ttft_p99_s"] and v["alone_ttft_p99_s"] else None
             rows = _rows(loaded)
