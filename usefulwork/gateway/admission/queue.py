@@ -1457,7 +1457,7 @@ class PoolQueue:
             t.over_share = True
         t.low_band = t.cls > 0 or t.over_share
         if not t.low_band:
-            self.pending_top_at.setdefault(t.tenant, []).append(now)
+            self.pending_top_at.setdefault(t.tenant, []).append(t.admitted_at)  # (``_end_prefill`` removes it)
         # the prompts it waits behind (``prefill_pending``): the prefill limit learns per prompt ahead
         if not self.capacity.priority_scheduling:
             ahead = self.pending
