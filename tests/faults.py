@@ -20,6 +20,8 @@ class KillableForwarder:
         self.port = 0
         self.connections = 0
         self.posts = 0  # POST requests carried towards the target (one HTTP/1.1 request per read: no pipelining)
+        self.streams = 0  # event-stream answers carried back (their response head passed through here)
+        self.killed = False
         self.drop_replies = False  # set: answers are lost on the way back (the request was served)
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
@@ -41,6 +43,8 @@ class KillableForwarder:
             while data := await r.read(65536):
                 if not reply and data.startswith(b"POST "):
                     self.posts += 1
+                if reply and data.startswith(b"HTTP/1.1 200") and b"text/event-stream" in data:
+                    self.streams += 1
                 if reply and self.drop_replies:
                     w.transport.abort()  # the target did the work; its answer never arrives
                     return
@@ -58,20 +62,19 @@ class KillableForwarder:
         except OSError:
             cw.close()
             return
+        if self.killed:  # accepted just before the kill, its upstream connected just after: dies with the rest
+            _reset(cw)
+            _reset(uw)
+            return
         self.writers.update((cw, uw))
         await asyncio.gather(self._pipe(cr, uw), self._pipe(ur, cw, reply=True))
 
     async def _kill(self) -> None:
+        self.killed = True
         if self.server:
             self.server.close()
         for w in list(self.writers):
-            sock = w.get_extra_info("socket")
-            if sock is not None:
-                try:  # RST rather than FIN: an abrupt crash
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
-                except OSError:
-                    pass
-            w.transport.abort()
+            _reset(w)
         self.writers.clear()
 
     def kill(self) -> None:
@@ -81,6 +84,16 @@ class KillableForwarder:
         self.kill()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)
+
+
+def _reset(w: asyncio.StreamWriter) -> None:
+    sock = w.get_extra_info("socket")
+    if sock is not None:
+        try:  # RST rather than FIN: an abrupt crash
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        except OSError:
+            pass
+    w.transport.abort()
 
 
 class FaultUpstream:

@@ -36,16 +36,18 @@ def _stream_through(fwd: KillableForwarder, gw, create, tries: int = 3):
     Both replicas front the same vLLM, so the picker may place the stream on either: the one whose last
     /metrics scrape saw fewer requests running, or the direct one while the forwarder is judged down (a
     stall of this process, where the forwarder's thread runs, times its health check out). A stream placed
-    elsewhere is closed and placed again once the gateway sees both replicas healthy."""
+    elsewhere is closed and placed again once the gateway sees both replicas healthy. It rode the forwarder
+    when its answer's head came back through it: a POST carried there may still have failed before its
+    answer (a kept-alive connection vLLM was closing) and been served by the other replica."""
     for _ in range(tries):
         deadline = time.monotonic() + 30
         while not all(r["healthy"] for r in httpx.get(gw.url + "/readyz").json()["pools"]["local"]["replicas"]):
             assert time.monotonic() < deadline, "the gateway never saw both replicas healthy"
             time.sleep(0.2)
-        posts = fwd.posts
+        streams = fwd.streams
         stream = create()
         assert next(iter(stream)) is not None
-        if fwd.posts > posts:
+        if fwd.streams > streams:
             return stream
         stream.close()
     pytest.fail(f"no stream rode the forwarder in {tries} tries")
@@ -82,16 +84,22 @@ def test_failover_when_a_replica_dies_mid_run(vllm_server, tmp_path):
                                                messages=[{"role": "user", "content": f"Number {i}?"}])
             return r.choices[0].message.content is not None
 
-        doomed = _stream_through(fwd, gw, lambda: client.chat.completions.create(
-            model=vllm_server.model, messages=LONG["messages"], max_tokens=400, stream=True,
-            extra_body={"ignore_eos": True}))
         with cf.ThreadPoolExecutor(4) as ex:
             before = list(ex.map(unary, range(4)))
+            # The stream starts after the unary calls and the replica dies as soon as its first chunk is in, so
+            # it is mid-run at the kill: CI at 92d06c2 (a slow host) saw a 400-token stream started before them
+            # end without the error, either finished while they ran or served by the direct replica after its
+            # POST passed the forwarder (which _stream_through now tells apart by the answer's head).
+            doomed = _stream_through(fwd, gw, lambda: client.chat.completions.create(
+                model=vllm_server.model, messages=LONG["messages"], max_tokens=LONG["max_tokens"], stream=True,
+                extra_body={"ignore_eos": True}))
             fwd.kill()  # the replica dies: resets every open connection, refuses new ones
             t0 = time.monotonic()
+            chunks = 0
             with pytest.raises(openai.APIError):
                 for _ in doomed:  # must end with the SSE error event, never hang
-                    pass
+                    chunks += 1
+                pytest.fail(f"the stream ended whole ({chunks} more chunks) after its replica died")
             assert time.monotonic() - t0 < 30
             after = list(ex.map(unary, range(12)))
         assert all(before) and all(after), "requests after the failure must be served by the surviving replica"
