@@ -39,12 +39,17 @@ class KillableForwarder:
         self.port = self.server.sockets[0].getsockname()[1]
 
     async def _pipe(self, r: asyncio.StreamReader, w: asyncio.StreamWriter, reply: bool = False) -> None:
+        head = b""  # a reply's response head so far (it may come in more than one read)
         try:
             while data := await r.read(65536):
                 if not reply and data.startswith(b"POST "):
                     self.posts += 1
-                if reply and data.startswith(b"HTTP/1.1 200") and b"text/event-stream" in data:
-                    self.streams += 1
+                if reply and (head or data.startswith(b"HTTP/")):
+                    head += data
+                    if (end := head.find(b"\r\n\r\n")) >= 0 or len(head) > 65536:
+                        if head.startswith(b"HTTP/1.1 200") and b"text/event-stream" in head[:end]:
+                            self.streams += 1
+                        head = b""
                 if reply and self.drop_replies:
                     w.transport.abort()  # the target did the work; its answer never arrives
                     return
