@@ -19,7 +19,6 @@ class KillableForwarder:
         self.writers: set[asyncio.StreamWriter] = set()
         self.port = 0
         self.connections = 0
-        self.posts = 0  # POST requests carried towards the target (one HTTP/1.1 request per read: no pipelining)
         self.streams = 0  # event-stream answers carried back (their response head passed through here)
         self.killed = False
         self.drop_replies = False  # set: answers are lost on the way back (the request was served)
@@ -42,8 +41,6 @@ class KillableForwarder:
         head = b""  # a reply's response head so far (it may come in more than one read)
         try:
             while data := await r.read(65536):
-                if not reply and data.startswith(b"POST "):
-                    self.posts += 1
                 if reply and (head or data.startswith(b"HTTP/")):
                     head += data
                     if (end := head.find(b"\r\n\r\n")) >= 0 or len(head) > 65536:

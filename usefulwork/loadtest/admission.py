@@ -151,12 +151,10 @@ def _throughput_until(r: dict[str, Any], end_s: float) -> float:
     return tokens / end_s
 
 
-def _ttfts(r: dict[str, Any], groups: Sequence[str]) -> list[float]:
-    return [x["ttfts"] for x in _rows(r) if x["outcomes"] == "ok" and x["group"] in groups]
-
-
-def _ttft_p99(r: dict[str, Any], groups: Sequence[str]) -> float | None:
-    return _p(_ttfts(r, groups), 99)
+def _ttft_p99_of(r: dict[str, Any], groups: Sequence[str]) -> tuple[float | None, int]:
+    """The TTFT p99 of ``groups``' served requests and how many first tokens it is of."""
+    ttfts = [x["ttfts"] for x in _rows(r) if x["outcomes"] == "ok" and x["group"] in groups]
+    return _p(ttfts, 99), len(ttfts)
 
 
 def verdicts(exp, cells: list[dict[str, Any]]) -> dict[str, Any]:
@@ -229,13 +227,13 @@ def verdicts(exp, cells: list[dict[str, Any]]) -> dict[str, Any]:
         loaded, base = _cell(cells, pri["case"], on), _cell(cells, pri["unloaded_case"], on)
         loaded_off = _cell(cells, pri["case"], off)
         if loaded and base:
-            p_loaded, p_base = _ttft_p99(loaded, [pri["interactive"]]), _ttft_p99(base, [pri["interactive"]])
+            (p_loaded, n_loaded), (p_base, n_base) = (_ttft_p99_of(loaded, [pri["interactive"]]),
+                                                      _ttft_p99_of(base, [pri["interactive"]]))
             out["priority"] = {"interactive_ttft_p99_s": p_loaded, "unloaded_ttft_p99_s": p_base,
                                "ratio": p_loaded / p_base if p_loaded and p_base else None,
-                               "interactive_ttft_p99_off_s": _ttft_p99(loaded_off, [pri["interactive"]]) if loaded_off else None,
+                               "interactive_ttft_p99_off_s": _ttft_p99_of(loaded_off, [pri["interactive"]])[0] if loaded_off else None,
                                # (how many first tokens each p99 is of: with a few dozen, it is nearly the slowest)
-                               "requests": len(_ttfts(loaded, [pri["interactive"]])),
-                               "unloaded_requests": len(_ttfts(base, [pri["interactive"]]))}
+                               "requests": n_loaded, "unloaded_requests": n_base}
             checks["interactive_ttft_p99_le_1_2x"] = bool(out["priority"]["ratio"]) and out["priority"]["ratio"] <= 1.2
             if loaded_off:
                 # "at 2x overload": the backend's output while the overload is offered (the arrivals), and
@@ -255,10 +253,12 @@ def verdicts(exp, cells: list[dict[str, Any]]) -> dict[str, Any]:
         loaded, alone = _cell(cells, fair["case"], on), _cell(cells, fair["alone_case"], on)
         loaded_off = _cell(cells, fair["case"], off)
         if loaded and alone:
-            quiet = {q: {"ttft_p99_s": _ttft_p99(loaded, [q]), "alone_ttft_p99_s": _ttft_p99(alone, [q]),
-                         "off_ttft_p99_s": _ttft_p99(loaded_off, [q]) if loaded_off else None,
-                         "requests": len(_ttfts(loaded, [q])), "alone_requests": len(_ttfts(alone, [q]))}
-                     for q in fair["quiet"]}
+            quiet = {}
+            for q in fair["quiet"]:
+                (p_loaded, n_loaded), (p_alone, n_alone) = _ttft_p99_of(loaded, [q]), _ttft_p99_of(alone, [q])
+                quiet[q] = {"ttft_p99_s": p_loaded, "alone_ttft_p99_s": p_alone,
+                            "off_ttft_p99_s": _ttft_p99_of(loaded_off, [q])[0] if loaded_off else None,
+                            "requests": n_loaded, "alone_requests": n_alone}
             for v in quiet.values():
                 v["ratio"] = v["ttft_p99_s"] / v["alone_ttft_p99_s"] if v["ttft_p99_s"] and v["alone_ttft_p99_s"] else None
             rows = _rows(loaded)
