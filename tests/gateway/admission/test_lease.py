@@ -65,14 +65,26 @@ def test_two_processes_burst_within_the_bucket_and_an_idle_grant_is_given_back(r
     async def go():
         a, b = (LeasedLimits(redis_url, prefix, max_fraction=0.5, idle_s=0.2, flush_s=0.05) for _ in range(2))
         try:
-            got = await asyncio.gather(*(x.check("t", cfg, 1) for _ in range(500) for x in (a, b)))
-            admitted = sum(v.ok for v in got)
-            assert 600 <= admitted <= 606, admitted  # 600 + what refilled while it ran (10/s)
-            assert {v.reason for v in got if not v.ok} == {"rpm"}
-            # B takes a large grant while the bucket is full again, then goes idle
             import redis.asyncio as aioredis
 
             r = aioredis.Redis.from_url(redis_url)
+            t0 = time.monotonic()
+            got = await asyncio.gather(*(x.check("t", cfg, 1) for _ in range(500) for x in (a, b)))
+            admitted = sum(v.ok for v in got)
+            assert admitted <= 606, admitted  # 600 + what refilled while it ran (10/s)
+            assert {v.reason for v in got if not v.ok} == {"rpm"}
+            # Nothing lost: every request's worth taken from the bucket was admitted, is held as a grant, or
+            # is back in the bucket (given back). Not 600 admitted: a grant is sized by the arrivals' rate, so
+            # a process whose grant calls ran ahead holds more than its own waiting requests took, while the
+            # other's are refused until it is used or given back (docs/admission.md, "Limits across gateway
+            # processes"). CI at bec5123: A admitted its 500 and held 98, B 2 (the same with B's first call
+            # 50 ms late); then B's clients are refused although the fleet has not reached its limit.
+            held = a.leases["t"].req + b.leases["t"].req
+            level = float((await r.hget(f"{prefix}:t:rpm", "level")) or 0)
+            refilled = 10.0 * (time.monotonic() - t0)
+            assert 600 <= admitted + held + level <= 600 + refilled + 1e-6, (admitted, held, level)
+            # B takes a large grant while the bucket is full again, then goes idle
+            assert await a.flush(give_all=True) and await b.flush(give_all=True)  # (nothing held from the burst)
             await r.delete(f"{prefix}:t:rpm")  # (a full bucket: 600)
             for _ in range(300):
                 await b.check("t", cfg, 1)
