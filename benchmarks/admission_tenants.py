@@ -11,8 +11,13 @@ the least disturbed):
   the queues (``_pop_next`` looks at each tenant with work queued) and a new request for each one
   admitted.
 
-    python benchmarks/admission_tenants.py --tenants 4,50,200 --repeat 5
+    python benchmarks/admission_tenants.py --tenants 4,50,200 --repeat 5 [--priority]
     PYTHONPATH=/tmp/wt-old python benchmarks/admission_tenants.py    # another commit's queue, same script
+
+``--priority``: the replicas schedule by priority, with the simulated A100 experiment's gates (three low-band
+prompts per replica) and a decode speed and prefill time measured (20 ms a token, 50 ms a prompt): the prefill
+gates, the turn and the pace (``PoolQueue.pace_free``) are priced too. No first token comes in either mode:
+every admitted prompt stays pending.
 
 (``overhead.py`` measures the whole request path with one tenant, where none of this runs.)
 """
@@ -31,10 +36,15 @@ from usefulwork.gateway.admission.config import AdmissionCfg  # noqa: E402
 from usefulwork.gateway.admission.queue import PoolQueue, Ticket  # noqa: E402
 
 
+PRIORITY = False  # --priority
+
+
 def _queue() -> PoolQueue:
-    cfg = AdmissionCfg(initial_concurrency=64)
-    cap = Capacity(cfg, 2.0, 0.1, 5.0, replica_count=lambda: 1)
+    cfg = AdmissionCfg(initial_concurrency=64, low_band_prefills=3 if PRIORITY else 1)
+    cap = Capacity(cfg, 2.0, 0.1, 5.0, replica_count=lambda: 1, priority_scheduling=PRIORITY)
     cap.service, cap.svc_ttft = 10.0, 0.1  # as if measured
+    if PRIORITY:
+        cap.tpot, cap.prefill_each = 0.02, 0.05
     q = PoolQueue.from_cfg("p", cap, cfg, 5.0)  # (the shipped settings, as the filter builds it)
     for _ in range(60):
         q.offer(Ticket("heavy", 0, 640, 0.0, 1e6, max_tokens=None), 0.0)
@@ -81,7 +91,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tenants", default="4,50,200")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--priority", action="store_true", help="replicas scheduling by priority (see the module's text)")
     args = ap.parse_args()
+    global PRIORITY
+    PRIORITY = args.priority
     import usefulwork
 
     print(f"queue from {Path(usefulwork.__file__).parent}")

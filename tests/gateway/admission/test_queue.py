@@ -12,8 +12,8 @@ import pytest
 
 from usefulwork.gateway.admission.capacity import Capacity, Sample
 from usefulwork.gateway.admission.config import AdmissionCfg
-from usefulwork.gateway.admission.queue import (OTHERS_RECENT_S, RETRY_MARGIN_MAX_S, SDK_RETRY_AFTER_MAX_S,
-                                               TURN_PACE_PREFILLS, Decision, PoolQueue, Ticket,
+from usefulwork.gateway.admission.queue import (OTHERS_RECENT_S, PACE_STEPS, RETRY_MARGIN_MAX_S,
+                                               SDK_RETRY_AFTER_MAX_S, TURN_PACE_PREFILLS, Decision, PoolQueue, Ticket,
                                                retry_after_header)
 
 SLO = (2.0, 0.1, 5.0)  # ttft, tpot, e2e (s)
@@ -375,6 +375,58 @@ def test_while_another_tenant_was_active_lately_the_one_holding_the_most_sends_a
     q.first_token(a[0], now + pace + 0.01)  # (its first token frees nothing the pace holds)
     assert a[2].state == "queued"
     assert q.pump(now + 2 * pace) == [a[2]] and q.pending_top_at["a"] == [now + pace, now + 2 * pace]
+
+
+@pytest.mark.parametrize("case", ["paced", "first-token", "heavy-pending", "alone", "no-decode-speed", "dense"])
+def test_quiet_tenants_prompts_that_come_together_go_a_pace_apart(case):
+    """While another tenant is about, a top-band prompt sent within ``PACE_STEPS`` decode steps (the pool's
+    TPOT) of one of a tenant not holding the most waits in the gateway until then, or until that prompt's first
+    token if sooner (``pace_free``, ``next_turn_due``): on a busy engine the two would share a step of twice a
+    prefill. The tenant holding the most does not hold the others back; a lone tenant is not paced; nothing is
+    paced before a decode speed is measured, nor while top-band prompts come densely (``_dense``: many
+    tenants' interactive prompts are not held to one a pace)."""
+    q = _priority_queue(3)
+    if case != "no-decode-speed":
+        q.capacity.tpot = 0.02
+    pace = PACE_STEPS * 0.02
+    heavy = [ticket(0.0, "h") for _ in range(3)]
+    if case != "alone":
+        for i, t in enumerate(heavy):  # h decodes three answers: it holds the most
+            assert q.offer(t, 0.01 * i).kind == "admit"
+            q.first_token(t, 0.01 * i + 0.005)
+    if case == "heavy-pending":  # h's next prompt, top band (its turn), is pending: it paces nobody
+        h = ticket(1.0, "h")
+        assert q.offer(h, 1.0).kind == "admit" and not h.low_band and q._holds_most("h")
+    if case == "dense":  # fifteen tenants' prompts in one instant: paced until their rate says dense
+        xs = [ticket(0.9, f"x{i}") for i in range(15)]
+        kinds = [q.offer(t, 0.9).kind for t in xs]
+        assert kinds[:2] == ["admit", "queue"] and kinds[-1] == "admit" and q._dense(pace)
+        q.pump(0.9)
+        assert all(t.state == "admitted" and not t.low_band for t in xs)
+        for t in xs:
+            q.first_token(t, 0.95)
+    q1, q2 = ticket(1.0, "q1"), ticket(1.005, "q1" if case == "alone" else "q2")
+    assert q.offer(q1, 1.0).kind == "admit" and not q1.low_band
+    if case == "dense":
+        assert q.pace_free(0, "q2") is None and q.offer(q2, 1.005).kind == "admit" and not q2.low_band
+        return
+    if case in ("heavy-pending", "alone", "no-decode-speed"):  # (heavy-pending: q1 went at once beside h's)
+        assert case == "heavy-pending" or q.pace_free(0, q2.tenant) is None
+        assert case != "heavy-pending" or q.pace_free(0, "q2") == 0  # (q1's prompt does pace the next)
+        assert case == "heavy-pending" or q.offer(q2, 1.005).kind == "admit" and q2.engine_priority == 0
+        return
+    assert q.pace_free(0, "q2") == 0 and q.predict_wait(q2, 1.005) == pytest.approx(1.0 + pace - 1.005)
+    assert q.offer(q2, 1.005).kind == "queue"
+    q1b = ticket(1.006, "q1")  # (q1's own next prompt is paced by its first too)
+    assert q.offer(q1b, 1.006).kind == "queue"
+    assert q.next_turn_due() == pytest.approx(1.0 + pace)
+    if case == "first-token":  # q1's prompt answered before the pace: its step is over, the next may go
+        assert q.first_token(q1, 1.02) == [q2] and q2.engine_priority == 0 and not q2.low_band
+    else:
+        assert q.pump(1.0 + pace / 2) == []
+        assert q.pump(1.0 + pace) == [q2] and q2.engine_priority == 0 and not q2.low_band
+    assert q1b.state == "queued" and q.pump(q2.admitted_at + pace / 2) == []  # (q2's prompt paces it now)
+    assert q.next_turn_due() <= q2.admitted_at + pace and q.pump(q2.admitted_at + pace) == [q1b]
 
 
 def test_vtc_shares_tokens_by_weight_and_lifts_returning_tenant():
@@ -1875,16 +1927,19 @@ def test_a_quiet_tenant_is_not_held_in_the_queue_or_behind_the_heavy_tenants_pro
     virtual clock): the quiet tenants' requests start at once and their first tokens are not held behind
     the heavy tenant's prompts. (Before: the heavy tenant's prompts counted against the quiet tenants'
     prefill places, a full pool skipped the class before looking per tenant, and the heavy tenant's
-    prompts admitted at their latest start filled the steps: quiet TTFT p99 2.5-3.9x alone.)"""
+    prompts admitted at their latest start filled the steps: quiet TTFT p99 2.5-3.9x alone.) A quiet prompt
+    waits in the gateway at most about a pace (``PACE_STEPS`` decode steps, ~0.06 s at this load) when another
+    quiet prompt was sent just before it (``pace_free``)."""
     from usefulwork.loadtest import admission_clock
 
     cell = admission_clock.arrivals(admission_clock.FAIRNESS_MIX, 24.0, 30.0, seed=1)
     loaded = admission_clock.run(cell, AdmissionCfg(), 30.0)
+    bound = 0.05 + PACE_STEPS * 0.03
     for q in ("q1", "q2", "q3"):
-        assert max(loaded.waited[q]) <= 0.05, (q, sorted(loaded.waited[q])[-3:])
+        assert max(loaded.waited[q]) <= bound, (q, sorted(loaded.waited[q])[-3:])
         assert loaded.p99(q) <= 0.25, (q, sorted(loaded.ttft[q])[-3:])
         slow = loaded.slowest(q)  # its time is in the engine (a step in progress, its own step), not our queue
-        assert slow["ttft_s"] == max(loaded.ttft[q]) and slow["gateway_queue_s"] <= 0.05
+        assert slow["ttft_s"] == max(loaded.ttft[q]) and slow["gateway_queue_s"] <= bound
         assert slow["engine_wait_s"] + slow["prefill_s"] > 0.05 and sum(list(slow.values())[1:]) <= slow["ttft_s"]
         assert not loaded.shed.get(q)
     assert loaded.shed["heavy"] > 100  # the heavy tenant's excess is what was shed

@@ -118,6 +118,15 @@ OTHERS_RECENT_S = 5.0
 # prompt this far (in prefill times) after the one before it: by then that one is in its engine step, and the
 # next lands in vLLM's queue for the step after (``turn_free``).
 TURN_PACE_PREFILLS = 0.8
+# While another tenant is about, a top-band prompt sent this many decode steps (the pool's TPOT) after the last
+# one of a tenant not holding the most (a quiet tenant's) waits in the gateway until then: two prompts that come
+# together then take two engine steps, one after the other, as on an idle engine, instead of sharing one of twice
+# the length (``pace_free``).
+PACE_STEPS = 2.0
+# ... only while the top-band prompts come sparsely: fewer than PACE_SPARSE per replica in a pace, at their rate
+# over the last PACE_RATE_TAU_S (held to one per pace, they could not be sent at more than twice their rate).
+PACE_SPARSE = 0.5
+PACE_RATE_TAU_S = 1.0
 QUEUE_SAFETY = 0.75  # queue only when the predicted wait leaves a quarter of the budget spare (slots free in clumps)
 State = Literal["new", "queued", "admitted", "released", "shed", "cancelled"]
 
@@ -255,6 +264,9 @@ class PoolQueue:
     pending_low: int = 0  # of those, low band (``Ticket.low_band``)
     # the others (top band), per tenant: when each was admitted, in that order (``_turn_taken``, ``turn_free``)
     pending_top_at: dict[str, list[float]] = field(default_factory=dict)
+    _top_ver: int = 0  # bumped when ``pending_top_at`` changes (``_paced_since``'s cache)
+    _top_rate: tuple[float, float] = (0.0, 0.0)  # (time, top-band prompts offered per second then: ``_dense``)
+    _paced: tuple[Any, list[float]] = (None, [])  # (key, ``_paced_since``'s answer) cache
     _top_seen: float = -math.inf  # the last offer of top-band work (interactive, its tenant within its share)
     _on_top_clear: list[Callable[[], None]] = field(default_factory=list)  # ``when_top_band_clear``'s callbacks
     _prefill_due: list = field(default_factory=list)  # heap of (when a unary prefill is deemed done, seq, ticket)
@@ -299,7 +311,10 @@ class PoolQueue:
         if low is not None:
             n = min(n, low)
         turn = self.turn_free(cls, tenant)
-        return n if turn is None else min(n, turn)
+        if turn is not None:
+            n = min(n, turn)
+        pace = self.pace_free(cls, tenant)
+        return n if pace is None else min(n, pace)
 
     def low_band(self, cls: int, tenant: str | None) -> bool:
         """Below the top band: a lower class, or a tenant already holding its fair share while others are active,
@@ -360,9 +375,72 @@ class PoolQueue:
         since = self._now - TURN_PACE_PREFILLS * (self.capacity.prefill_time() or 0.0)
         return self.capacity.count() - sum(1 for a in at if a > since)
 
+    def pace_free(self, cls: int, tenant: str | None = None) -> int | None:
+        """Top-band prompts ``tenant`` may send now under the pool's pace (None: not paced). While another tenant
+        is about (``_others_in_pool``), at most one top-band prompt per replica goes in each ``PACE_STEPS``
+        decode steps (the pool's TPOT, ``Capacity.decode_terms``) after one of a tenant not holding the most
+        (``_holds_most``: the quiet tenants' prompts, its own included); the next waits in the gateway until
+        then, or until that prompt's first token if sooner. A busy engine starts a step as soon as the one in
+        progress ends and takes every prompt that reached it meanwhile: two quiet tenants' prompts that came a
+        few milliseconds apart shared one step of twice a prompt's prefill, where on an idle engine (the
+        tenants alone) the first was prefilled at once and the second in the next step. Paced so, the first
+        keeps its own step and the second lands in the one after, about as soon as beside it. The tenant
+        holding the most (whose prompts are paced by its turn, ``turn_free``, or go in the low band) does not
+        hold the others back: held behind its whole prompt a quiet one waits a prefill as beside it.
+
+        Only while top-band prompts come sparsely (``_dense``: offered at under ``PACE_SPARSE`` per replica in
+        a pace over the last ``PACE_RATE_TAU_S``): paced always, many tenants' interactive prompts would be
+        held to one per replica a pace (25 a second at the simulated A100's 20 ms TPOT) however short, and a
+        busy engine's steps take many prompts at once by design. (``benchmarks/admission_tenants.py
+        --priority``, where 50-200 tenants offer a prompt a millisecond: 1.0-10 ms per offer paced always,
+        as before the pace with this bound.)
+
+        (Virtual clock, the simulated A100's fairness cell: quiet tenants within 1.2x of alone in 3 -> 6 of
+        seeds 1-12 and 11 -> 16 of seeds 13-36; per quiet request, loaded over alone, mean 1.158 -> 1.144;
+        the priority cell unchanged. One decode step: 5 of 12; 1.5, 2.5 and 3: 5, 5 and 1 of 12, the second
+        prompt landing a step late; paced by the heaviest tenant's prompts too, or by other tenants' only: 4
+        of 12; the offer rate over 0.5 s: 5 of 12; off while two or more prompts per replica came in the last
+        1.5 or 4 paces (a count, not a rate): 3 of 12, the clusters of three going together again.
+        docs/benchmarks.md section 7, session 65.)"""
+        if (cls != 0 or tenant is None or not self.tenant_headroom or not self.low_band_prefills
+                or not self.capacity.priority_scheduling or not self.pending_top_at):
+            return None
+        pace = self._pace_s()
+        if pace is None or self._dense(pace) or not (recent := len(self._paced_since(self._now - pace))):
+            return None  # (nothing paces it: the sends in this instant are counted as each one goes)
+        if self.low_band(0, tenant) or not self._others_in_pool(tenant):
+            return None
+        return self.capacity.count() - recent
+
+    def _dense(self, pace: float) -> bool:
+        """Top-band prompts are offered at ``PACE_SPARSE`` per replica in a pace or more (``pace_free`` is off)."""
+        at, rate = self._top_rate
+        return rate * math.exp((at - self._now) / PACE_RATE_TAU_S) * pace >= PACE_SPARSE * self.capacity.count()
+
+    def _pace_s(self) -> float | None:
+        """``PACE_STEPS`` decode steps of the pool (None before a decode speed is measured)."""
+        tpot = self.capacity.decode_terms()[0]
+        return PACE_STEPS * tpot if tpot else None
+
+    def _paced_since(self, since: float) -> list[float]:
+        """When each top-band prompt still pending and sent after ``since`` by a tenant not holding the most was
+        sent (``pace_free``)."""
+        key = (since, self._run_ver, self._top_ver)
+        if self._paced[0] == key:
+            return self._paced[1]
+        recent = [(u, at) for u, at in self.pending_top_at.items() if at[-1] > since]
+        out = []
+        if recent:  # (``_holds_most`` for each: its work per unit of weight under the most any tenant holds)
+            weight = self.weight_of
+            most = max((n / weight(u) for u, n in self.inflight_tenant.items()), default=0.0)
+            out = [a for u, at in recent if self.inflight_tenant.get(u, 0) / weight(u) < most for a in at if a > since]
+        self._paced = (key, out)
+        return out
+
     def next_turn_due(self) -> float | None:
-        """When a tenant with interactive work queued may next send a top-band prompt (``turn_free``), if later
-        than the last call's time: the filter's waiters look again then (no event of the pool's says so)."""
+        """When a tenant with interactive work queued may next send a top-band prompt (``turn_free``,
+        ``pace_free``), if later than the last call's time: the filter's waiters look again then (no event of
+        the pool's says so)."""
         each = self.capacity.prefill_time()
         if not each or not self.pending_top_at or not self.queues[0]:
             return None
@@ -370,6 +448,8 @@ class PoolQueue:
         pace = TURN_PACE_PREFILLS * each
         due = [d for u, at in self.pending_top_at.items() if len(at) >= n and self.queues[0].get(u)
                if (d := at[-n] + pace) > self._now]
+        if (steps := self._pace_s()) is not None and not self._dense(steps):
+            due += [a + steps for a in self._paced_since(self._now - steps)]
         return min(due, default=None)
 
     def low_band_free(self, cls: int, tenant: str | None = None) -> int | None:
@@ -611,6 +691,11 @@ class PoolQueue:
         turn = self.turn_free(t.cls, t.tenant)
         if turn is not None and ahead > turn:  # one every TURN_PACE_PREFILLS prefill times, per replica
             wait = max(wait, TURN_PACE_PREFILLS * self.capacity.prefill_wait(ahead - turn))
+        pace = self.pace_free(t.cls, t.tenant)
+        if pace is not None and ahead > pace:  # the first when the oldest paced prompt ages, then one a pace each
+            steps = self._pace_s() or 0.0
+            first = min((a + steps - now for a in self._paced_since(now - steps)), default=0.0)
+            wait = max(wait, first + steps * (ahead - pace - 1) / self.capacity.count())
         free = max(0, self.slot_free(t.cls, t.tenant))
         position = ahead - free
         if position <= 0:
@@ -706,6 +791,8 @@ class PoolQueue:
         self.last_seen[t.tenant] = now
         if t.cls == 0 and self.low_band_prefills and self.capacity.priority_scheduling and not self.low_band(0, t.tenant):
             self._top_seen = now
+            at, rate = self._top_rate
+            self._top_rate = (now, rate * math.exp((at - now) / PACE_RATE_TAU_S) + 1.0 / PACE_RATE_TAU_S)
         # (A first attempt the client numbered is not a retry: an identical request of the same tenant in
         # flight, or shed, must not give it the place held for that one's retry.)
         key = t.retry_key() if t.retried != 0 and (self._held or (t.retried and self.fleet_held)) else 0
@@ -1458,6 +1545,7 @@ class PoolQueue:
         t.low_band = t.cls > 0 or t.over_share
         if not t.low_band:
             self.pending_top_at.setdefault(t.tenant, []).append(t.admitted_at)  # (``_end_prefill`` removes it)
+            self._top_ver += 1
         # the prompts it waits behind (``prefill_pending``): the prefill limit learns per prompt ahead
         if not self.capacity.priority_scheduling:
             ahead = self.pending
@@ -1487,6 +1575,7 @@ class PoolQueue:
         else:
             at = self.pending_top_at[t.tenant]
             at.remove(t.admitted_at)
+            self._top_ver += 1
             if not at:
                 del self.pending_top_at[t.tenant]
         if self._on_top_clear and not self.top_band_pending():
