@@ -378,7 +378,8 @@ class PoolQueue:
     def pace_free(self, cls: int, tenant: str | None = None) -> int | None:
         """Top-band prompts ``tenant`` may send now under the pool's pace (None: not paced). While another tenant
         is about (``_others_in_pool``), at most one top-band prompt per replica goes in each ``PACE_STEPS``
-        decode steps (the pool's TPOT, ``Capacity.decode_terms``) after one of a tenant not holding the most
+        decode steps (the TPOT the queue prices, ``Capacity.decode_terms``: on the simulated A100 two make
+        ~48 ms, about one 512-token prompt's prefill step) after one of a tenant not holding the most
         (``_holds_most``: the quiet tenants' prompts, its own included); the next waits in the gateway until
         then, or until that prompt's first token if sooner. A busy engine starts a step as soon as the one in
         progress ends and takes every prompt that reached it meanwhile: two quiet tenants' prompts that came a
@@ -399,8 +400,9 @@ class PoolQueue:
         seeds 1-12 and 11 -> 16 of seeds 13-36; per quiet request, loaded over alone, mean 1.158 -> 1.144;
         the priority cell unchanged. One decode step: 5 of 12; 1.5, 2.5 and 3: 5, 5 and 1 of 12, the second
         prompt landing a step late; paced by the heaviest tenant's prompts too, or by other tenants' only: 4
-        of 12; the offer rate over 0.5 s: 5 of 12; off while two or more prompts per replica came in the last
-        1.5 or 4 paces (a count, not a rate): 3 of 12, the clusters of three going together again.
+        of 12; the offer rate over 0.5 s: 6 of 12 and 14 of 24; off while two or more prompts per replica came
+        in the last 1.5 or 4 paces (a count, not a rate): 4 and 3 of 12, the clusters of three going together
+        again; 2.5 x the plain or the load's TPOT, not the highest estimate: 6 of 12, 14 and 15 of 24.
         docs/benchmarks.md section 7, session 65.)"""
         if (cls != 0 or tenant is None or not self.tenant_headroom or not self.low_band_prefills
                 or not self.capacity.priority_scheduling or not self.pending_top_at):
