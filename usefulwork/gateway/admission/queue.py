@@ -265,7 +265,7 @@ class PoolQueue:
     # the others (top band), per tenant: when each was admitted, in that order (``_turn_taken``, ``turn_free``)
     pending_top_at: dict[str, list[float]] = field(default_factory=dict)
     _top_ver: int = 0  # bumped when ``pending_top_at`` changes (``_paced_since``'s cache)
-    _top_rate: tuple[float, float] = (0.0, 0.0)  # (time, top-band prompts offered per second then: ``_dense``)
+    _top_rate: float = 0.0  # top-band prompts offered per second, as of ``_top_seen`` (``_dense``)
     _paced: tuple[Any, list[float]] = (None, [])  # (key, ``_paced_since``'s answer) cache
     _top_seen: float = -math.inf  # the last offer of top-band work (interactive, its tenant within its share)
     _on_top_clear: list[Callable[[], None]] = field(default_factory=list)  # ``when_top_band_clear``'s callbacks
@@ -416,8 +416,8 @@ class PoolQueue:
 
     def _dense(self, pace: float) -> bool:
         """Top-band prompts are offered at ``PACE_SPARSE`` per replica in a pace or more (``pace_free`` is off)."""
-        at, rate = self._top_rate
-        return rate * math.exp((at - self._now) / PACE_RATE_TAU_S) * pace >= PACE_SPARSE * self.capacity.count()
+        rate = self._top_rate * math.exp((self._top_seen - self._now) / PACE_RATE_TAU_S)
+        return rate * pace >= PACE_SPARSE * self.capacity.count()
 
     def _pace_s(self) -> float | None:
         """``PACE_STEPS`` decode steps of the pool (None before a decode speed is measured)."""
@@ -792,9 +792,8 @@ class PoolQueue:
             self._active = (math.nan, 0.0)  # a new active tenant: the shares change
         self.last_seen[t.tenant] = now
         if t.cls == 0 and self.low_band_prefills and self.capacity.priority_scheduling and not self.low_band(0, t.tenant):
+            self._top_rate = self._top_rate * math.exp((self._top_seen - now) / PACE_RATE_TAU_S) + 1.0 / PACE_RATE_TAU_S
             self._top_seen = now
-            at, rate = self._top_rate
-            self._top_rate = (now, rate * math.exp((at - now) / PACE_RATE_TAU_S) + 1.0 / PACE_RATE_TAU_S)
         # (A first attempt the client numbered is not a retry: an identical request of the same tenant in
         # flight, or shed, must not give it the place held for that one's retry.)
         key = t.retry_key() if t.retried != 0 and (self._held or (t.retried and self.fleet_held)) else 0
