@@ -36,14 +36,11 @@ from usefulwork.gateway.admission.config import AdmissionCfg  # noqa: E402
 from usefulwork.gateway.admission.queue import PoolQueue, Ticket  # noqa: E402
 
 
-PRIORITY = False  # --priority
-
-
-def _queue() -> PoolQueue:
-    cfg = AdmissionCfg(initial_concurrency=64, low_band_prefills=3 if PRIORITY else 1)
-    cap = Capacity(cfg, 2.0, 0.1, 5.0, replica_count=lambda: 1, priority_scheduling=PRIORITY)
+def _queue(priority: bool) -> PoolQueue:
+    cfg = AdmissionCfg(initial_concurrency=64, low_band_prefills=3 if priority else 1)
+    cap = Capacity(cfg, 2.0, 0.1, 5.0, replica_count=lambda: 1, priority_scheduling=priority)
     cap.service, cap.svc_ttft = 10.0, 0.1  # as if measured
-    if PRIORITY:
+    if priority:
         cap.tpot, cap.prefill_each = 0.02, 0.05
     q = PoolQueue.from_cfg("p", cap, cfg, 5.0)  # (the shipped settings, as the filter builds it)
     for _ in range(60):
@@ -51,9 +48,9 @@ def _queue() -> PoolQueue:
     return q
 
 
-def offers(tenants: int, n: int = 2000) -> float:
+def offers(tenants: int, priority: bool, n: int = 2000) -> float:
     """Microseconds per offer."""
-    q, now = _queue(), 0.0
+    q, now = _queue(priority), 0.0
     running = list(q.running)
     t0 = time.perf_counter()
     for i in range(n):
@@ -67,9 +64,9 @@ def offers(tenants: int, n: int = 2000) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
-def releases(tenants: int, n: int = 300) -> float:
+def releases(tenants: int, priority: bool, n: int = 300) -> float:
     """Microseconds per release (its refills and their tenants' next requests included)."""
-    q, now = _queue(), 0.0
+    q, now = _queue(priority), 0.0
     for i in range(tenants):
         for _ in range(3):
             q.offer(Ticket(f"q{i}", 0, 640, now, 1e6, max_tokens=None), now)
@@ -93,16 +90,14 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--priority", action="store_true", help="replicas scheduling by priority (see the module's text)")
     args = ap.parse_args()
-    global PRIORITY
-    PRIORITY = args.priority
     import usefulwork
 
     print(f"queue from {Path(usefulwork.__file__).parent}")
     print("| quiet tenants | us per offer | us per release |")
     print("|---:|---:|---:|")
     for k in (int(x) for x in args.tenants.split(",")):
-        o = min(offers(k) for _ in range(args.repeat))
-        r = min(releases(k) for _ in range(args.repeat))
+        o = min(offers(k, args.priority) for _ in range(args.repeat))
+        r = min(releases(k, args.priority) for _ in range(args.repeat))
         print(f"| {k} | {o:.1f} | {r:.1f} |")
     return 0
 
