@@ -17,6 +17,7 @@ baseline on the same gateway: the quiet tenants' own arrivals, then a drain (``f
 from __future__ import annotations
 
 import bisect
+from collections import deque
 import itertools
 import math
 import random
@@ -163,8 +164,9 @@ def run(cell: list[tuple[float, Client]], admission: AdmissionCfg | None, durati
     serves ``before`` (offsets from its start, not measured: an earlier cell) for ``before_s`` seconds.
     With ``admission.low_band_prefill_chunk``, a low-band prompt admitted while top-band work is about is
     prefilled in pieces first, as the Forwarder does (usefulwork/upstream/pieces.py): each whole-block prefix
-    a one-token request, sent when the one before it ends and no top-band prompt is pending (the filter's
-    hold, here without its bound: a top-band first token always comes), then the request itself, on an
+    a one-token request, sent when the one before it ends, no top-band prompt is pending (the filter's
+    hold, here without its bound: a top-band first token always comes) and its place in the pool's spacing
+    has come (``PoolQueue.piece_wait``), then the request itself, on an
     engine with its prefix cache on."""
     chunk = admission.low_band_prefill_chunk if admission is not None else 0
     eng = host.engine(scheduling_policy, prefix_caching=bool(chunk))
@@ -188,14 +190,19 @@ def run(cell: list[tuple[float, Client]], admission: AdmissionCfg | None, durati
     now, plan, plan_end, i, tokens = 0.0, None, math.inf, 0, 0
     step = piece_tokens(chunk, eng.kv.block_size) if chunk else 0
     pieces: dict[Any, tuple[Ticket, list[int], int]] = {}  # a piece in the engine -> its ticket, prompt, length
-    held: list[tuple[Ticket, list[int], int]] = []  # next pieces waiting for the top band's pending prompts
+    held: list[tuple[Ticket, list[int], int, bool]] = []  # next pieces waiting for the top band's pending prompts
+    spaced: deque[tuple[float, Ticket, list[int], int]] = deque()  # next pieces waiting for their places (when), in order
 
-    def send(tk: Ticket, prompt: list[int], upto: int) -> None:
+    def send(tk: Ticket, prompt: list[int], upto: int, placed: bool = False) -> None:
         """The next piece of ``tk``'s prompt (``upto`` tokens), or the request itself once none is left. A
-        piece waits while a top-band prompt is pending (the filter's hold, ``_top_band_clear``)."""
+        piece waits while a top-band prompt is pending, then for its place in the pool's spacing (unless
+        ``placed``: it had it), then while a top-band prompt is pending again (the filter's ``_piece_turn``)."""
         if upto < len(prompt):
             if q.top_band_pending():
-                held.append((tk, prompt, upto))
+                held.append((tk, prompt, upto, placed))
+                return
+            if not placed and (wait := q.piece_wait(now)) > 0:
+                spaced.append((now + wait, tk, prompt, upto))
                 return
             pieces[eng.add_request(prompt[:upto], 1, ignore_eos=True, arrival_time=now,
                                    priority=tk.engine_priority)] = (tk, prompt, upto)
@@ -210,11 +217,15 @@ def run(cell: list[tuple[float, Client]], admission: AdmissionCfg | None, durati
         t_turn = (q.next_turn_due() or math.inf) if q is not None and q.queued else math.inf
         if t_turn <= now:
             t_turn = math.inf  # (due already: nothing else may go before an event)
-        now = min(t_arrive, plan_end, t_queue, t_turn)
+        t_piece = spaced[0][0] if spaced else math.inf
+        now = min(t_arrive, plan_end, t_queue, t_turn, t_piece)
         if now == math.inf:
             break
         woken: list[Ticket] = []
-        if now == t_arrive:
+        if now == t_piece:
+            _, *piece = spaced.popleft()
+            send(*piece, placed=True)
+        elif now == t_arrive:
             _, client, measured = timeline[i]
             i += 1
             deadline = host.slo[0] if client.cls == 0 else BATCH_DEADLINE_S

@@ -389,7 +389,7 @@ class AdmissionFilter:
                     and queue.top_band_about(self.clock())):
                 # (the Forwarder prefills it in pieces on the replica it picks: usefulwork/upstream/pieces.py)
                 call.memo[PREFILL_CHUNK] = self.cfg.low_band_prefill_chunk
-                call.memo[PIECE_HOLD] = lambda: self._top_band_clear(queue)
+                call.memo[PIECE_HOLD] = lambda: self._piece_turn(queue)
                 self.pieced += 1
             if self._wait_hist is not None:
                 self._wait_hist.record(t.admitted_at - t.arrival, {"pool": queue.name, "priority": p})
@@ -480,6 +480,16 @@ class AdmissionFilter:
             await asyncio.wait_for(clear, PIECE_HOLD_PREFILLS * each)
         except TimeoutError:
             forget()
+
+    async def _piece_turn(self, queue: PoolQueue) -> None:
+        """What the forwarder awaits before each piece of a low-band prompt: the top band clear
+        (``_top_band_clear``), then the piece's place in the pool's spacing (``PoolQueue.piece_wait``), then
+        the top band clear again if a top-band prompt came meanwhile."""
+        await self._top_band_clear(queue)
+        wait = queue.piece_wait(self.clock())
+        if wait > 0:
+            await asyncio.sleep(wait)
+            await self._top_band_clear(queue)
 
     async def _wait(self, queue: PoolQueue, t: Ticket) -> bool:
         loop = asyncio.get_running_loop()
