@@ -686,6 +686,24 @@ def test_low_band_prompts_go_in_pieces_only_while_top_band_work_is_about(policy,
         assert f.stats().get("prefilled_in_pieces", 0) == 0
 
 
+async def _marked_hold(f):
+    """A filter on one priority pool with 64-token pieces: the hold it handed a batch call's forwarder, and
+    the pool's queue (an interactive call went first, so top-band work is about)."""
+    from usefulwork.upstream.pieces import PIECE_HOLD
+
+    be = Backend()
+    for p in ("interactive", "batch"):
+        await (await f(make_call(f, priority=p), be)).aclose()
+    q = f.queues["p"]
+    q.capacity.prefill_each = 0.2  # (as if learnt from first tokens)
+    return be.calls[1].memo[PIECE_HOLD], q
+
+
+def _pieced_filter():
+    pools = [{"name": "p", "models": [MODEL], "replicas": ["http://127.0.0.1:9"], "scheduling_policy": "priority"}]
+    return make_filter(make_cfg(pools=pools, admission={"low_band_prefill_chunk": 64}))
+
+
 def test_a_marked_calls_pieces_wait_for_the_top_bands_pending_prompt_and_no_longer_than_two_prefills():
     """The hold the filter hands the forwarder with a marked call (``Call.memo[PIECE_HOLD]``): it returns at
     once when no top-band prompt is pending, when the pending one's first token comes, and at the latest
@@ -693,18 +711,11 @@ def test_a_marked_calls_pieces_wait_for_the_top_bands_pending_prompt_and_no_long
     import time
 
     from usefulwork.gateway.admission.queue import Ticket
-    from usefulwork.upstream.pieces import PIECE_HOLD
 
-    pools = [{"name": "p", "models": [MODEL], "replicas": ["http://127.0.0.1:9"], "scheduling_policy": "priority"}]
-    f = make_filter(make_cfg(pools=pools, admission={"low_band_prefill_chunk": 64}))
+    f = _pieced_filter()
 
     async def go():
-        be = Backend()
-        for p in ("interactive", "batch"):
-            await (await f(make_call(f, priority=p), be)).aclose()
-        hold = be.calls[1].memo[PIECE_HOLD]
-        q = f.queues["p"]
-        q.capacity.prefill_each = 0.2  # (as if learnt from first tokens)
+        hold, q = await _marked_hold(f)
         t0 = time.perf_counter()
         await asyncio.wait_for(hold(), 1.0)  # nothing pending: at once
         at_once = time.perf_counter() - t0
@@ -724,6 +735,49 @@ def test_a_marked_calls_pieces_wait_for_the_top_bands_pending_prompt_and_no_long
 
     at_once, bounded = asyncio.run(go())
     assert at_once < 0.05 and 0.35 <= bounded < 0.8, (at_once, bounded)
+
+
+def test_a_marked_calls_pieces_take_their_places_in_the_pools_spacing():
+    """The same hold, once the pool's decode line is fitted (``PoolQueue.piece_wait``): three pieces that ask at
+    once (answered in one engine step) go a decode step apart, the first at once; a top-band prompt admitted
+    while one waits for its place holds it until its first token."""
+    import time
+
+    from usefulwork.gateway.admission.capacity import Sample
+    from usefulwork.gateway.admission.queue import Ticket
+
+    f = _pieced_filter()
+
+    async def go():
+        hold, q = await _marked_hold(f)
+        for load, n in ((0, 30), (18, 3)):  # 100 ms a token at any load: a 100 ms gap
+            for _ in range(n):
+                q.capacity.observe(Sample(ttft=0.1, tpot=0.1, service=1.7, tokens=640, ok=True,
+                                          inflight_at_admit=load, inflight_at_end=load), f.clock())
+        assert q.piece_gap() == pytest.approx(0.1, abs=0.01)
+        t0 = time.perf_counter()
+        done: list[float] = []
+
+        async def piece():
+            await hold()
+            done.append(time.perf_counter() - t0)
+        await asyncio.wait_for(asyncio.gather(piece(), piece(), piece()), 2.0)
+        spaced = sorted(done)
+        await asyncio.sleep(0.15)  # (the last place passed)
+        t0 = time.perf_counter()
+        first = asyncio.create_task(hold())  # at once
+        waiting = asyncio.create_task(hold())  # its place is a gap away
+        await asyncio.sleep(0.02)
+        top = Ticket("default", 0, 100.0, f.clock(), f.clock() + 10.0)
+        assert first.done() and q.offer(top, f.clock()).kind == "admit" and q.top_band_pending()
+        await asyncio.sleep(0.2)
+        assert not waiting.done()  # its place came, the top band's prompt is pending
+        q.first_token(top, f.clock())
+        await asyncio.wait_for(waiting, 0.1)
+        return spaced
+
+    spaced = asyncio.run(go())
+    assert spaced[0] < 0.05 and 0.07 <= spaced[1] - spaced[0] < 0.2 and 0.07 <= spaced[2] - spaced[1] < 0.2, spaced
 
 
 def test_a_paced_tenants_queued_prompt_goes_when_its_pace_comes_with_no_event_to_wake_it():

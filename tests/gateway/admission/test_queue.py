@@ -12,7 +12,7 @@ import pytest
 
 from usefulwork.gateway.admission.capacity import Capacity, Sample
 from usefulwork.gateway.admission.config import AdmissionCfg
-from usefulwork.gateway.admission.queue import (OTHERS_RECENT_S, PACE_STEPS, RETRY_MARGIN_MAX_S,
+from usefulwork.gateway.admission.queue import (OTHERS_RECENT_S, PACE_STEPS, PIECE_GAP_STEPS, RETRY_MARGIN_MAX_S,
                                                SDK_RETRY_AFTER_MAX_S, TURN_PACE_PREFILLS, Decision, PoolQueue, Ticket,
                                                retry_after_header)
 
@@ -2057,6 +2057,35 @@ def test_a_retry_shed_again_keeps_its_turn_behind_only_the_places_promised_befor
     assert again.kind == "shed" and new.kind == "shed"
     assert again.retry_after_s < first.retry_after_s  # nothing promised before it is still ahead of it
     assert again.retry_after_s < new.retry_after_s - 5.0  # the five places promised after it are not
+
+
+def fit_decode_line(cap: Capacity, tpot: float, slope_tpot: float | None = None) -> None:
+    """Answers at two loads (1 and 19 in flight): the line ``Capacity.tpot_at`` reads, ``tpot`` at one."""
+    for _ in range(30):
+        cap.observe(Sample(ttft=0.1, tpot=tpot, service=1.7, tokens=640, ok=True, inflight_at_admit=0, inflight_at_end=0), 1.0)
+    for _ in range(3):
+        cap.observe(Sample(ttft=0.2, tpot=slope_tpot or tpot, service=2.6, tokens=640, ok=True,
+                           inflight_at_admit=18, inflight_at_end=18), 2.0)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_low_band_pieces_are_spaced_a_decode_step_apart_per_replica(replicas):
+    """``piece_wait``: pieces answered in one engine step would all be sent at once and wait in vLLM for the same
+    next step, beside any top-band prompt that came meanwhile; each takes the next place in the pool's spacing,
+    ``PIECE_GAP_STEPS`` decode steps at light load (``tpot_at(1)``) over the replicas, and one that comes after
+    the last place has passed goes at once. Nothing is spaced before the decode line is fitted."""
+    c = AdmissionCfg(initial_concurrency=40, low_band_prefills=3)
+    cap = Capacity(c, *SLO, replica_count=lambda: replicas, priority_scheduling=True)
+    q = PoolQueue("p", cap, low_band_prefills=3, e2e_slo_s=SLO[2])
+    assert q.piece_gap() is None and [q.piece_wait(5.0) for _ in range(3)] == [0.0, 0.0, 0.0]
+    fit_decode_line(cap, 0.012, 0.03)
+    gap = PIECE_GAP_STEPS * cap.tpot_at(1.0) / replicas
+    assert cap.tpot_at(1.0) == pytest.approx(0.012, abs=2e-3) and q.piece_gap() == pytest.approx(gap)
+    assert q.stats(6.0)["piece_gap_s"] == pytest.approx(gap)
+    waits = [q.piece_wait(10.0) for _ in range(3)]  # three answered in one step
+    assert waits == pytest.approx([0.0, gap, 2 * gap])
+    assert q.piece_wait(10.0 + 2.5 * gap) == pytest.approx(0.5 * gap)  # the last place taken is 2 gaps in
+    assert q.piece_wait(11.0) == 0.0  # long after: at once
 
 
 def test_the_decode_speed_is_priced_at_the_load_now_from_the_tpot_measured_per_load():
