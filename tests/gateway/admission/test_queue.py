@@ -2086,6 +2086,8 @@ def test_low_band_pieces_are_spaced_a_decode_step_apart_per_replica(replicas):
     assert waits == pytest.approx([0.0, gap, 2 * gap])
     assert q.piece_wait(10.0 + 2.5 * gap) == pytest.approx(0.5 * gap)  # the last place taken is 2 gaps in
     assert q.piece_wait(11.0) == 0.0  # long after: at once
+    cap.tpot = 0.006  # a mean TPOT under the line's (a line leaning the wrong way): the gap is at most that
+    assert q.piece_gap() == pytest.approx(PIECE_GAP_STEPS * 0.006 / replicas)
 
 
 def test_the_decode_speed_is_priced_at_the_load_now_from_the_tpot_measured_per_load():

@@ -530,8 +530,13 @@ class PoolQueue:
         return lambda: callback in self._on_top_clear and self._on_top_clear.remove(callback)
 
     def piece_gap(self) -> float | None:
-        """The pool's spacing of low-band pieces (``piece_wait``; None before a decode speed at load is fitted)."""
+        """The pool's spacing of low-band pieces (``piece_wait``; None before a decode speed at load is fitted): the
+        line's TPOT at one request in flight, at most the mean TPOT measured (a line fitted from a few noisy
+        load bands may lean the wrong way; spaced wider than the engine's real step, the pieces set their own
+        pace and the engine loses tokens/s)."""
         tpot = self.capacity.tpot_at(1.0)
+        if tpot is not None and self.capacity.tpot:
+            tpot = min(tpot, self.capacity.tpot)
         return PIECE_GAP_STEPS * tpot / self.capacity.count() if tpot and tpot > 0 else None
 
     def piece_wait(self, now: float) -> float:
