@@ -17,10 +17,10 @@ baseline on the same gateway: the quiet tenants' own arrivals, then a drain (``f
 from __future__ import annotations
 
 import bisect
-from collections import deque
 import itertools
 import math
 import random
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 

@@ -549,8 +549,8 @@ class PoolQueue:
         decode steps. Spaced, the pieces fall out of step with each other: each rides in a decode step, which
         the memory bound leaves time for (one 64-token piece costs a simulated A100 step nothing), and a
         top-band prompt meets one at most. (Virtual clock, the simulated A100's fairness cell, 64-token pieces
-        three at a time: quiet tenants within 1.2x of alone in 6 -> 8 of seeds 1-12 and 15 -> 17 of seeds
-        13-36, per quiet request against alone over 1.2x 241 -> 112 of 779; the engine's tokens/s +4%; the
+        three at a time: quiet tenants within 1.2x of alone in 6 -> 9 of seeds 1-12 and 15 -> 17 of seeds
+        13-36, per quiet request against alone over 1.2x 241 -> 95 of 779; the engine's tokens/s +4.6%; the
         priority cell's interactive ratio and throughput unchanged. docs/benchmarks.md section 7, session 66.)"""
         gap = self.piece_gap()
         if gap is None:
