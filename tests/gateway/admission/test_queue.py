@@ -1868,11 +1868,17 @@ def test_a_tenant_over_its_fair_share_is_low_band_while_a_quiet_tenant_is_about(
         q.release(t, 0.6)
     assert q.over_share("heavy", q.capacity.current()) and q.low_band_free(0, "heavy") == 0
     # ... then it still counts toward the shares for tenant_active_s (heavy stays over its share), but there
-    # is nobody left to protect, so heavy's prompts are not held one at a time
+    # is nobody left to protect: heavy's prompts are neither gated nor in the low band (no pieces, vLLM's
+    # top priority), only paced by its turn, one per replica each TURN_PACE_PREFILLS prefill times
     later = 0.2 + OTHERS_RECENT_S + 0.1
     late = [ticket(later, "heavy", deadline_s=100) for _ in range(2)]
-    assert [q.offer(t, later).kind for t in late] == ["admit", "admit"]
+    assert [q.offer(t, later).kind for t in late] == ["admit", "queue"]
     assert q.over_share("heavy", q.capacity.current()) and q.low_band_free(0, "heavy") is None
+    assert not late[0].low_band and not late[0].over_share and late[0].engine_priority == 0
+    assert not q.low_band(0, "heavy") and q.turn_free(0, "heavy") == 0
+    paced = later + TURN_PACE_PREFILLS * q.capacity.prefill_time()
+    assert q.next_turn_due() == pytest.approx(paced)
+    assert q.pump(paced + 1e-6) == [late[1]] and not late[1].low_band
 
 
 def test_a_callback_waits_for_the_top_bands_pending_prompts_and_no_longer():

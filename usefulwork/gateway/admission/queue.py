@@ -118,6 +118,10 @@ OTHERS_RECENT_S = 5.0
 # prompt this far (in prefill times) after the one before it: by then that one is in its engine step, and the
 # next lands in vLLM's queue for the step after (``turn_free``).
 TURN_PACE_PREFILLS = 0.8
+# ... and has at most this many top-band prompts pending per replica (one in its step, the next in vLLM's queue): a
+# step longer than the pace (a growing decode batch, or a tenant over its share that keeps its turn: ``turn_free``)
+# otherwise lets them pile up in vLLM's queue and go two or three to a step.
+TURN_PENDING = 2
 # While another tenant is about, a top-band prompt sent this many decode steps (the pool's TPOT) after the last
 # one of a tenant not holding the most (a quiet tenant's) waits in the gateway until then: two prompts that come
 # together then take two engine steps, one after the other, as on an idle engine, instead of sharing one of twice
@@ -323,10 +327,25 @@ class PoolQueue:
         return n if pace is None else min(n, pace)
 
     def low_band(self, cls: int, tenant: str | None) -> bool:
-        """Below the top band: a lower class, or a tenant already holding its fair share while others are active,
-        or one whose turn of the top band's prefills is taken (``_turn_taken``)."""
+        """Below the top band: a lower class, or a tenant already holding its fair share while another tenant is
+        about (``_over_share_about``), or one whose turn of the top band's prefills is taken (``_turn_taken``)."""
         return cls > 0 or (tenant is not None and bool(self.tenant_headroom)
-                           and (self.over_share(tenant, self.capacity.current()) or self._turn_taken(tenant)))
+                           and (self._over_share_about(tenant) or self._turn_taken(tenant)))
+
+    def _over_share_about(self, tenant: str) -> bool:
+        """``tenant`` holds its fair share (``over_share``) and another tenant is about (``_others_in_pool``): only
+        then does its share put it below the top band (after the others in vLLM's queue, gated, prefilled in
+        pieces). With the others merely active in the shares' horizon (``tenant_active_s``) and none about, the
+        low band slowed it for nobody: in the real CPU vLLM experiment's retry cell, its clients alone for 30 s
+        after the burst's tenant, 28 of 48 prompts went in pieces, first token 3.3 s against 0.5 s whole (the
+        pieces of a dozen prompts take their places in the pool's spacing one after another, ``piece_wait``),
+        their slots held that much longer; the priority cell's interactive arrivals alone after another
+        tenant's traffic (virtual clock, six seeds), TTFT p99 mean 0.256 -> 0.184 s on the simulated A100 and
+        1.103 -> 0.574 s on session 62's probed CPU host. A tenant so over its share is paced by its turn
+        instead (``turn_free``). (The cost: the simulated A100's fairness cell, where the quiet tenants come
+        back after the 15 s drain, met the heavy tenant's whole prompts for longer at its start: quiet tenants
+        within 1.2x in 26 -> 23 of seeds 1-36. docs/benchmarks.md section 7, session 67.)"""
+        return self.over_share(tenant, self.capacity.current()) and self._others_in_pool(tenant)
 
     def _turn_taken(self, tenant: str, admitted: bool = False) -> bool:
         """While another tenant is about (``_others_in_pool``), ``tenant``, holding the most work in the pool
@@ -356,8 +375,9 @@ class PoolQueue:
         """Top-band prompts ``tenant`` may send now (None: not paced). Where another tenant was active within
         the shares' horizon (``tenant_active_s``) but is not about now (``_others_in_pool``; when one is, the
         turn puts the prompt in the low band: ``_turn_taken``), the tenant holding the most work in the pool
-        sends one top-band prompt per replica every ``TURN_PACE_PREFILLS`` prefill times: its prompt pending
-        since less than that holds its place, the next waits in the gateway. So a tenant that starts a burst
+        sends one top-band prompt per replica every ``TURN_PACE_PREFILLS`` prefill times, with at most
+        ``TURN_PENDING`` per replica pending, whether under its share or over it (``_over_share_about``): its
+        prompt pending since less than that holds its place, the next waits in the gateway. So a tenant that starts a burst
         while the others are between requests puts about one prompt in each engine step instead of three or
         four, and a quiet prompt that comes then shares its step with one at most. (Virtual clock, the
         simulated A100's fairness cell, 12 seeds: the cell's start, where the quiet tenants have sent nothing
@@ -374,12 +394,13 @@ class PoolQueue:
                 or not self.capacity.priority_scheduling):
             return None
         at = self.pending_top_at.get(tenant)
-        if not at or self.share_state(tenant, self.capacity.current()) != -1:
-            return None  # (alone, or over its share: the low band)
+        if not at or self.share_state(tenant, self.capacity.current()) == 0:
+            return None  # (alone)
         if self._others_in_pool(tenant) or not self._holds_most(tenant):
             return None
         since = self._now - TURN_PACE_PREFILLS * (self.capacity.prefill_time() or 0.0)
-        return self.capacity.count() - sum(1 for a in at if a > since)
+        n = self.capacity.count()
+        return min(n - sum(1 for a in at if a > since), TURN_PENDING * n - len(at))
 
     def pace_free(self, cls: int, tenant: str | None = None) -> int | None:
         """Top-band prompts ``tenant`` may send now under the pool's pace (None: not paced). While another tenant
@@ -1356,7 +1377,7 @@ class PoolQueue:
 
     def _admit(self, t: Ticket, now: float) -> None:
         if self.tenant_headroom:
-            t.over_share = self.over_share(t.tenant, self.capacity.current())
+            t.over_share = self._over_share_about(t.tenant)
         t.state = "admitted"
         t.admitted_at = now
         self.capacity.note_admit(now)
@@ -1416,6 +1437,8 @@ class PoolQueue:
             if state == -1:
                 return self.free(cls, tenant) > 0
             others = busy - (self.inflight_tenant.get(tenant, 0) > 0) > 0 or len(recent) - (tenant in recent) > 0
+            if state == 1 and not others:  # (its turn, ``turn_free``, is its own)
+                return self.free(cls, tenant) > 0
             key = (state, others)
             if key not in memo:
                 memo[key] = self.free(cls, tenant) > 0
