@@ -131,3 +131,32 @@ def test_spaced_pieces_leave_a_quiet_prompt_fewer_beside_it_and_the_engine_no_sl
         assert spaced[-1][2] >= 0.98 * unspaced[-1][2], (seed, spaced[-1], unspaced[-1])
     # (first tokens over 1.2x, seeds 1-4: 8 5 14 7 spaced, 25 13 19 24 unspaced; tokens/s 3-5% more spaced)
     assert sum(s[0] for s in spaced) < 0.6 * sum(u[0] for u in unspaced), (spaced, unspaced)
+
+
+def test_a_tenant_alone_after_another_has_gone_is_not_pieced_for_nobody(monkeypatch):
+    """The priority cell's interactive arrivals alone, after another tenant's traffic (which the shares count for
+    ``tenant_active_s``) on the simulated A100: the tenant goes over its share of two whenever it holds half the
+    slots, but with nobody else about it keeps the top band (``PoolQueue._over_share_about``): none of its prompts
+    is prefilled in pieces, and its first tokens come sooner than under the rule that put it in the low band on
+    its share alone, which pieced its prompts for nobody."""
+    from usefulwork.gateway.admission.queue import PoolQueue
+
+    cfg = AdmissionCfg(low_band_prefill_chunk=64, low_band_prefills=3)
+    host = admission_clock.A100
+
+    def lone(seed: int) -> admission_clock.Result:
+        cell = admission_clock.arrivals(admission_clock.PRIORITY_MIX, host.rate, host.priority_s, seed)
+        return admission_clock.run(admission_clock.only(cell, {"interactive"}), cfg, host.priority_s, host=host,
+                                   warm_tenant="other")
+
+    kept, share_alone = [], []
+    for seed in (5, 6):
+        kept.append(lone(seed))
+        monkeypatch.setattr(PoolQueue, "_over_share_about", lambda self, tenant: self.over_share(tenant, self.capacity.current()))
+        share_alone.append(lone(seed))
+        monkeypatch.undo()
+    assert [r.pieces for r in kept] == [0, 0]
+    assert all(r.pieces > 0 for r in share_alone), [r.pieces for r in share_alone]
+    # (TTFT p99, seeds 5 / 6: 0.170 / 0.188 s kept, 0.342 / 0.370 s with pieces for nobody)
+    for k, s in zip(kept, share_alone):
+        assert k.p99("interactive") < 0.75 * s.p99("interactive"), (k.p99("interactive"), s.p99("interactive"))
