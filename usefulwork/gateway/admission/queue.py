@@ -174,8 +174,8 @@ class Ticket:
     admitted_at: float | None = None
     inflight_at_admit: int = 0
     charged: float = 0.0  # weighted tokens charged to the tenant's counter so far
-    # its tenant held its fair share of the SLO limit when it was admitted, or had its turn of the top band's
-    # prefills already (``PoolQueue._turn_taken``)
+    # its tenant held its fair share of the SLO limit when it was admitted while another tenant was about
+    # (``PoolQueue._over_share_about``), or had its turn of the top band's prefills already (``_turn_taken``)
     over_share: bool = False
     waiter: Any = None  # the filter's future, resolved when the ticket is admitted or shed
     shed_reason: str | None = None
@@ -377,8 +377,8 @@ class PoolQueue:
         turn puts the prompt in the low band: ``_turn_taken``), the tenant holding the most work in the pool
         sends one top-band prompt per replica every ``TURN_PACE_PREFILLS`` prefill times, with at most
         ``TURN_PENDING`` per replica pending, whether under its share or over it (``_over_share_about``): its
-        prompt pending since less than that holds its place, the next waits in the gateway. So a tenant that starts a burst
-        while the others are between requests puts about one prompt in each engine step instead of three or
+        prompt pending since less than that holds its place, the next waits in the gateway. So a tenant that
+        starts a burst while the others are between requests puts about one prompt in each engine step instead of three or
         four, and a quiet prompt that comes then shares its step with one at most. (Virtual clock, the
         simulated A100's fairness cell, 12 seeds: the cell's start, where the quiet tenants have sent nothing
         for the 15 s drain, worst quiet tenant 2.22 / 2.30 / 2.90 / 2.67x -> 1.65 / 1.19 / 1.25 / 1.47x in
@@ -1423,7 +1423,8 @@ class PoolQueue:
         depends on the tenant only through its share state and whether another tenant has work in the
         pool or sent some lately (``_others_in_pool``), so it is priced once per pair; a tenant under its
         share is priced on its own (its turn of the top band's prefills, ``_turn_taken``; the heavy
-        tenants' work beyond its max-min share). Priced per tenant, a release whose pump found no tenant
+        tenants' work beyond its max-min share), and so is one over its share with nobody else about (its
+        turn, ``turn_free``). Priced per tenant, a release whose pump found no tenant
         that could go cost 600-650 us at 200 tenants with work queued; priced so, 280-300 us
         (``benchmarks/admission_tenants.py``)."""
         slo = self.capacity.current()
