@@ -99,7 +99,6 @@ def test_batch_prompts_in_pieces_leave_an_interactive_prompt_one_piece_to_wait_f
     assert admission_clock.run(cell, AdmissionCfg(low_band_prefill_chunk=64), host.priority_s, host=host).pieces > 100
 
 
-
 def _quiet_first_tokens(seed: int, cfg: AdmissionCfg) -> tuple[int, int, float]:
     """The simulated A100's fairness cell: how many quiet first tokens took over 1.2x the same request's alone
     (each tenant's in order), of how many, and the engine's output tokens/s in the loaded run."""
@@ -152,7 +151,8 @@ def test_a_tenant_alone_after_another_has_gone_is_not_pieced_for_nobody(monkeypa
     kept, share_alone = [], []
     for seed in (5, 6):
         kept.append(lone(seed))
-        monkeypatch.setattr(PoolQueue, "_over_share_about", lambda self, tenant: self.over_share(tenant, self.capacity.current()))
+        monkeypatch.setattr(PoolQueue, "_over_share_about",
+                            lambda self, tenant: self.over_share(tenant, self.capacity.current()))
         share_alone.append(lone(seed))
         monkeypatch.undo()
     assert [r.pieces for r in kept] == [0, 0]

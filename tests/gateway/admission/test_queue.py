@@ -375,6 +375,12 @@ def test_while_another_tenant_was_active_lately_the_one_holding_the_most_sends_a
     q.first_token(a[0], now + pace + 0.01)  # (its first token frees nothing the pace holds)
     assert a[2].state == "queued"
     assert q.pump(now + 2 * pace) == [a[2]] and q.pending_top_at["a"] == [now + pace, now + 2 * pace]
+    # two of a's prompts pending on the one replica (one in its step, one in vLLM's queue): the next waits for a
+    # first token even once its pace has come (``TURN_PENDING``), not for a third in vLLM's queue beside the second
+    a3 = ticket(now + 2 * pace, "a")
+    assert q.offer(a3, now + 2 * pace).kind == "queue"
+    assert q.pump(now + 4 * pace) == [] and q.turn_free(0, "a") == 0
+    assert q.first_token(a[1], now + 4 * pace + 0.01) == [a3] and not a3.low_band
 
 
 @pytest.mark.parametrize("case", ["paced", "first-token", "heavy-pending", "alone", "no-decode-speed", "dense"])

@@ -378,8 +378,8 @@ class PoolQueue:
         sends one top-band prompt per replica every ``TURN_PACE_PREFILLS`` prefill times, with at most
         ``TURN_PENDING`` per replica pending, whether under its share or over it (``_over_share_about``): its
         prompt pending since less than that holds its place, the next waits in the gateway. So a tenant that
-        starts a burst while the others are between requests puts about one prompt in each engine step instead of three or
-        four, and a quiet prompt that comes then shares its step with one at most. (Virtual clock, the
+        starts a burst while the others are between requests puts about one prompt in each engine step instead
+        of three or four, and a quiet prompt that comes then shares its step with one at most. (Virtual clock, the
         simulated A100's fairness cell, 12 seeds: the cell's start, where the quiet tenants have sent nothing
         for the 15 s drain, worst quiet tenant 2.22 / 2.30 / 2.90 / 2.67x -> 1.65 / 1.19 / 1.25 / 1.47x in
         seeds 1 / 7 / 9 / 12. Released at the pending prompt's first token instead, as the turn does, it cost
@@ -510,8 +510,8 @@ class PoolQueue:
         if cls > 0:
             if not self.top_band_about(self._now):
                 return None
-        elif tenant is None or not self.low_band(0, tenant) or not self._others_in_pool(tenant):
-            return None
+        elif tenant is None or not self.low_band(0, tenant):
+            return None  # (an interactive prompt is in the low band only while another tenant is about)
         if self.pending > self.pending_low:
             # A top-band prompt is pending: a low-band one sent now would wait in vLLM beside it and share
             # its step (the step's budget fits both), doubling its prefill; it goes when that first token
