@@ -114,14 +114,18 @@ RETRY_MARGIN_MAX_S = 2.0
 # (or has some in flight): about a quiet tenant's gap between two requests; longer held the heavy tenant's own
 # burst for up to the fair share's whole horizon after the others had gone (``low_band_free``).
 OTHERS_RECENT_S = 5.0
-# While another tenant was active lately but is not about, the tenant holding the most sends its next top-band
-# prompt this far (in prefill times) after the one before it: by then that one is in its engine step, and the
-# next lands in vLLM's queue for the step after (``turn_free``).
+# While no other tenant is about, the tenant holding the most (or a tenant alone) sends its next top-band prompt
+# this far (in prefill times) after the one before it: by then that one is in its engine step, and the next lands
+# in vLLM's queue for the step after (``turn_free``).
 TURN_PACE_PREFILLS = 0.8
 # ... and has at most this many top-band prompts pending per replica (one in its step, the next in vLLM's queue): a
 # step longer than the pace (a growing decode batch, or a tenant over its share that keeps its turn: ``turn_free``)
 # otherwise lets them pile up in vLLM's queue and go two or three to a step.
 TURN_PENDING = 2
+# A tenant alone is paced so too, while its top-band prompts come at under PACE_SPARSE per replica in the turn's
+# pace, their rate over the last TURN_RATE_TAU_S: offered faster, the pace would hold the engine's prefills back
+# (a burst's peak, many short prompts), and it is off.
+TURN_RATE_TAU_S = 5.0
 # While another tenant is about, a top-band prompt sent this many decode steps (the pool's TPOT) after the last
 # one of a tenant not holding the most (a quiet tenant's) waits in the gateway until then: two prompts that come
 # together then take two engine steps, one after the other, as on an idle engine, instead of sharing one of twice
@@ -275,6 +279,7 @@ class PoolQueue:
     pending_top_at: dict[str, list[float]] = field(default_factory=dict)
     _top_ver: int = 0  # bumped when ``pending_top_at`` changes (``_paced_since``'s cache)
     _top_rate: float = 0.0  # top-band prompts offered per second, as of ``_top_seen`` (``_dense``)
+    _top_rate_slow: float = 0.0  # ... over a longer time (``_turn_dense``)
     _paced: tuple[Any, list[float]] = (None, [])  # (key, ``_paced_since``'s answer) cache
     _piece_at: float = -math.inf  # when the last low-band piece went, or its place is taken for (``piece_wait``)
     _top_seen: float = -math.inf  # the last offer of top-band work (interactive, its tenant within its share)
@@ -372,9 +377,10 @@ class PoolQueue:
         return all(n <= mine * self.weight_of(u) for u, n in self.inflight_tenant.items() if u != tenant)
 
     def turn_free(self, cls: int, tenant: str | None = None) -> int | None:
-        """Top-band prompts ``tenant`` may send now (None: not paced). Where another tenant was active within
-        the shares' horizon (``tenant_active_s``) but is not about now (``_others_in_pool``; when one is, the
-        turn puts the prompt in the low band: ``_turn_taken``), the tenant holding the most work in the pool
+        """Top-band prompts ``tenant`` may send now (None: not paced). Where no other tenant is about
+        (``_others_in_pool``; when one is, the turn puts the prompt in the low band: ``_turn_taken``), the
+        tenant holding the most work in the pool (a tenant alone: only while its prompts come sparsely,
+        ``_turn_dense``)
         sends one top-band prompt per replica every ``TURN_PACE_PREFILLS`` prefill times, with at most
         ``TURN_PENDING`` per replica pending, whether under its share or over it (``_over_share_about``): its
         prompt pending since less than that holds its place, the next waits in the gateway. So a tenant that
@@ -389,16 +395,29 @@ class PoolQueue:
         0.300 s paced so (two prompts in one step finish together; paced, the first is answered sooner), up
         to 0.38 s released at first tokens; a pace of 0.45 prefill times gained little at the start (2.22 /
         2.83 / 2.06x in seeds 1 / 9 / 12), 1.0 as much as 0.8 but slower alone in two seeds. docs/benchmarks.md
-        section 7, session 62.)"""
+        section 7, session 62.)
+
+        A tenant alone is paced the same way (two of its prompts that come together are answered one after the
+        other, the first sooner, rather than both late from one step of twice the length), unless its top-band
+        prompts come at ``PACE_SPARSE`` per replica in the pace or more over the last ``TURN_RATE_TAU_S``
+        (``_turn_dense``): then the pace would hold the engine's prefills back. Paced only after another tenant's
+        traffic, the experiment's unloaded interactive baseline (which follows the retrying clients' cell) was
+        paced and its loaded 2x cell (a tenant alone) was not: virtual clock, simulated A100, seeds 1-12,
+        interactive TTFT p99 under load 0.218 -> 0.188 s (mean), against a baseline after another tenant's
+        traffic 1.254x -> 1.101x (8 -> 0 seeds over 1.2x), the engine's tokens/s unchanged (docs/benchmarks.md
+        section 7, session 68)."""
         if (cls != 0 or tenant is None or not self.tenant_headroom or not self.low_band_prefills
                 or not self.capacity.priority_scheduling):
             return None
         at = self.pending_top_at.get(tenant)
-        if not at or self.share_state(tenant, self.capacity.current()) == 0:
-            return None  # (alone)
+        if not at:
+            return None
+        pace = TURN_PACE_PREFILLS * (self.capacity.prefill_time() or 0.0)
+        if self.share_state(tenant, self.capacity.current()) == 0 and self._turn_dense(pace):
+            return None  # (alone, its top-band prompts offered faster than the pace could keep up with)
         if self._others_in_pool(tenant) or not self._holds_most(tenant):
             return None
-        since = self._now - TURN_PACE_PREFILLS * (self.capacity.prefill_time() or 0.0)
+        since = self._now - pace
         n = self.capacity.count()
         return min(n - sum(1 for a in at if a > since), TURN_PENDING * n - len(at))
 
@@ -440,6 +459,12 @@ class PoolQueue:
         if self.low_band(0, tenant) or not self._others_in_pool(tenant):
             return None
         return self.capacity.count() - recent
+
+    def _turn_dense(self, pace: float) -> bool:
+        """Top-band prompts are offered at ``PACE_SPARSE`` per replica in the turn's ``pace`` or more, at their
+        rate over the last ``TURN_RATE_TAU_S``: a lone tenant's turn is off (``turn_free``)."""
+        rate = self._top_rate_slow * math.exp((self._top_seen - self._now) / TURN_RATE_TAU_S)
+        return rate * pace >= PACE_SPARSE * self.capacity.count()
 
     def _dense(self, pace: float) -> bool:
         """Top-band prompts are offered at ``PACE_SPARSE`` per replica in a pace or more (``pace_free`` is off)."""
@@ -850,6 +875,8 @@ class PoolQueue:
         self.last_seen[t.tenant] = now
         if t.cls == 0 and self.low_band_prefills and self.capacity.priority_scheduling and not self.low_band(0, t.tenant):
             self._top_rate = self._top_rate * math.exp((self._top_seen - now) / PACE_RATE_TAU_S) + 1.0 / PACE_RATE_TAU_S
+            self._top_rate_slow = (self._top_rate_slow * math.exp((self._top_seen - now) / TURN_RATE_TAU_S)
+                                   + 1.0 / TURN_RATE_TAU_S)
             self._top_seen = now
         # (A first attempt the client numbered is not a retry: an identical request of the same tenant in
         # flight, or shed, must not give it the place held for that one's retry.)
