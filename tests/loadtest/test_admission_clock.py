@@ -163,3 +163,24 @@ def test_a_tenant_alone_after_another_has_gone_is_not_pieced_for_nobody(monkeypa
     for k, s in zip(kept, share_alone):
         assert k.p99("interactive") <= s.p99("interactive"), (k.p99("interactive"), s.p99("interactive"))
     assert kept[1].p99("interactive") < 0.75 * share_alone[1].p99("interactive")
+
+
+def test_a_lone_tenants_interactive_prompts_paced_by_its_turn_come_sooner_under_load(monkeypatch):
+    """The simulated A100's priority cell (one tenant, one interactive prompt for three batch ones at 2x): the
+    tenant is alone, and its interactive prompts are paced by its turn (``PoolQueue.turn_free``, while they come
+    sparsely): two that come together go a step apart, the first answered at once, instead of sharing one step
+    of twice the length. Their TTFT p99 is lower than with a lone tenant's turn off, the engine as busy."""
+    from usefulwork.gateway.admission.queue import PoolQueue
+
+    cfg = AdmissionCfg(low_band_prefill_chunk=64, low_band_prefills=3)
+    host = admission_clock.A100
+    for seed in (5, 7):
+        cell = admission_clock.arrivals(admission_clock.PRIORITY_MIX, host.rate, host.priority_s, seed)
+        paced = admission_clock.run(cell, cfg, host.priority_s, host=host)
+        monkeypatch.setattr(PoolQueue, "_turn_dense", lambda self, pace: True)  # (a lone tenant never paced)
+        unpaced = admission_clock.run(cell, cfg, host.priority_s, host=host)
+        monkeypatch.undo()
+        # (seeds 5 / 7: 0.191 / 0.217 s paced, 0.244 / 0.297 s not; tokens/s within 1%)
+        assert paced.p99("interactive") < 0.85 * unpaced.p99("interactive"), (seed, paced.p99("interactive"),
+                                                                              unpaced.p99("interactive"))
+        assert paced.tokens_per_s >= 0.98 * unpaced.tokens_per_s, (seed, paced.tokens_per_s, unpaced.tokens_per_s)

@@ -404,8 +404,9 @@ class PoolQueue:
         traffic, the experiment's unloaded interactive baseline (which follows the retrying clients' cell) was
         paced and its loaded 2x cell (a tenant alone) was not: virtual clock, simulated A100, seeds 1-12,
         interactive TTFT p99 under load 0.218 -> 0.188 s (mean), against a baseline after another tenant's
-        traffic 1.254x -> 1.101x (8 -> 0 seeds over 1.2x), the engine's tokens/s unchanged (docs/benchmarks.md
-        section 7, session 68)."""
+        traffic 1.254x -> 1.101x (8 -> 0 seeds over 1.2x), the engine's tokens/s unchanged; the fairness cell
+        warmed by the priority cell, as the experiment's is, quiet tenants within 1.2x in 8 -> 15 of 36 seeds
+        (docs/benchmarks.md section 7, session 68)."""
         if (cls != 0 or tenant is None or not self.tenant_headroom or not self.low_band_prefills
                 or not self.capacity.priority_scheduling):
             return None
