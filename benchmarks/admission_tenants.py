@@ -17,7 +17,8 @@ the least disturbed):
 ``--priority``: the replicas schedule by priority, with the simulated A100 experiment's gates (three low-band
 prompts per replica) and a decode speed and prefill time measured (20 ms a token, 50 ms a prompt): the prefill
 gates, the turn and the pace (``PoolQueue.pace_free``) are priced too. No first token comes in either mode:
-every admitted prompt stays pending.
+every admitted prompt stays pending (the heavy tenant's 60 are decoding: since session 68 a tenant alone is paced
+by its turn, and with them pending it held one in the pool and queued the rest).
 
 (``overhead.py`` measures the whole request path with one tenant, where none of this runs.)
 """
@@ -43,8 +44,10 @@ def _queue(priority: bool) -> PoolQueue:
     if priority:
         cap.tpot, cap.prefill_each = 0.02, 0.05
     q = PoolQueue.from_cfg("p", cap, cfg, 5.0)  # (the shipped settings, as the filter builds it)
-    for _ in range(60):
-        q.offer(Ticket("heavy", 0, 640, 0.0, 1e6, max_tokens=None), 0.0)
+    for _ in range(60):  # (each decoding: with its prompts pending, a tenant alone would be paced by its turn)
+        q.offer(t := Ticket("heavy", 0, 640, 0.0, 1e6, max_tokens=None), 0.0)
+        q.first_token(t, 0.0)
+    assert len(q.running) == 60
     return q
 
 

@@ -1654,6 +1654,17 @@ def test_unary_prefill_place_is_deemed_free_after_its_expected_prefill():
     assert q.pending == 0 and cap.prefill_samples == 1
 
 
+def test_first_tokens_timed_at_zero_seconds_set_no_prefill_limit():
+    """A first token stamped at its admission's instant (a coarse clock, a virtual one) prices a prefill at 0 s:
+    ten of them leave the prefill gate unset rather than dividing by that (it raised ZeroDivisionError)."""
+    cap = Capacity(AdmissionCfg(), *SLO, replica_count=lambda: 1)
+    for _ in range(10):
+        cap.observe_first_token(0.0, 0.0)
+    assert cap.prefill_each == 0.0 and cap.prefill_limit is None
+    cap.observe_first_token(0.2, 0.0)  # a real one: the gate starts from the samples
+    assert cap.prefill_each > 0 and cap.prefill_limit == pytest.approx(cap.ttft_target / cap.prefill_each)
+
+
 def test_cold_pool_grows_its_limit_on_first_tokens_while_the_live_decode_speed_is_fast():
     """Before any answer ends, fast first tokens of requests admitted at the limit grow it while the
     replicas decode well under the TPOT target; a slow decode, a slow first token or an untested limit

@@ -575,7 +575,7 @@ class Capacity:
         self.prefill_each = _ewma(self.prefill_each, ttft / (ahead + 1.0))
         self.prefill_samples += 1
         if self.prefill_limit is None:
-            if self.prefill_samples >= 10:
+            if self.prefill_samples >= 10 and self.prefill_each > 0:  # (first tokens timed at 0 s price nothing)
                 self.prefill_limit = max(1.0, self.ttft_target / self.prefill_each)
             return
         if ttft > self.ttft_target:
