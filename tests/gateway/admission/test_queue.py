@@ -393,8 +393,8 @@ def test_quiet_tenants_prompts_that_come_together_go_a_pace_apart(case):
     TPOT) of one of a tenant not holding the most waits in the gateway until then, or until that prompt's first
     token if sooner (``pace_free``, ``next_turn_due``): on a busy engine the two would share a step of twice a
     prefill. The tenant holding the most does not hold the others back; a lone tenant is not paced by it (its
-    turn paces it); nothing is paced before a decode speed is measured, nor while top-band prompts come densely (``_dense``: many
-    tenants' interactive prompts are not held to one a pace)."""
+    turn paces it); nothing is paced before a decode speed is measured, nor while top-band prompts come densely
+    (``_dense``: many tenants' interactive prompts are not held to one a pace)."""
     q = _priority_queue(3)
     if case != "no-decode-speed":
         q.capacity.tpot = 0.02

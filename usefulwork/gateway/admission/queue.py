@@ -464,13 +464,15 @@ class PoolQueue:
     def _turn_dense(self, pace: float) -> bool:
         """Top-band prompts are offered at ``PACE_SPARSE`` per replica in the turn's ``pace`` or more, at their
         rate over the last ``TURN_RATE_TAU_S``: a lone tenant's turn is off (``turn_free``)."""
-        rate = self._top_rate_slow * math.exp((self._top_seen - self._now) / TURN_RATE_TAU_S)
-        return rate * pace >= PACE_SPARSE * self.capacity.count()
+        return self._rate_now(self._top_rate_slow, TURN_RATE_TAU_S) * pace >= PACE_SPARSE * self.capacity.count()
 
     def _dense(self, pace: float) -> bool:
         """Top-band prompts are offered at ``PACE_SPARSE`` per replica in a pace or more (``pace_free`` is off)."""
-        rate = self._top_rate * math.exp((self._top_seen - self._now) / PACE_RATE_TAU_S)
-        return rate * pace >= PACE_SPARSE * self.capacity.count()
+        return self._rate_now(self._top_rate, PACE_RATE_TAU_S) * pace >= PACE_SPARSE * self.capacity.count()
+
+    def _rate_now(self, rate: float, tau: float) -> float:
+        """A rate of top-band offers as of ``_top_seen`` (``_top_rate``, ``_top_rate_slow``), decayed to now."""
+        return rate * math.exp((self._top_seen - self._now) / tau)
 
     def _pace_s(self) -> float | None:
         """``PACE_STEPS`` decode steps of the pool (None before a decode speed is measured)."""
@@ -875,9 +877,8 @@ class PoolQueue:
             self._active = (math.nan, 0.0)  # a new active tenant: the shares change
         self.last_seen[t.tenant] = now
         if t.cls == 0 and self.low_band_prefills and self.capacity.priority_scheduling and not self.low_band(0, t.tenant):
-            self._top_rate = self._top_rate * math.exp((self._top_seen - now) / PACE_RATE_TAU_S) + 1.0 / PACE_RATE_TAU_S
-            self._top_rate_slow = (self._top_rate_slow * math.exp((self._top_seen - now) / TURN_RATE_TAU_S)
-                                   + 1.0 / TURN_RATE_TAU_S)
+            self._top_rate = self._rate_now(self._top_rate, PACE_RATE_TAU_S) + 1.0 / PACE_RATE_TAU_S
+            self._top_rate_slow = self._rate_now(self._top_rate_slow, TURN_RATE_TAU_S) + 1.0 / TURN_RATE_TAU_S
             self._top_seen = now
         # (A first attempt the client numbered is not a retry: an identical request of the same tenant in
         # flight, or shed, must not give it the place held for that one's retry.)
