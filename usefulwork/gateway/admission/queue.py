@@ -316,20 +316,17 @@ class PoolQueue:
                    return_prior_numbered=cfg.retry_return_prior_numbered, **kw)
 
     # -- the decision --
-    def free(self, cls: int, tenant: str | None = None) -> int:
+    def free(self, cls: int, tenant: str | None = None, look: dict | None = None) -> int:
         """Places a ticket of class ``cls`` (of ``tenant``) may take now: a slot, and a prefill place
-        where the prefill gate counts its class."""
-        slots = self.slot_free(cls, tenant)
-        prefill = self.prefill_free(cls, tenant)
-        n = slots if prefill is None else min(slots, prefill)
-        low = self.low_band_free(cls, tenant)
-        if low is not None:
-            n = min(n, low)
-        turn = self.turn_free(cls, tenant)
-        if turn is not None:
-            n = min(n, turn)
-        pace = self.pace_free(cls, tenant)
-        return n if pace is None else min(n, pace)
+        where the prefill gate counts its class. ``look``: a memo for one look at many tenants in a state that
+        does not change meanwhile (``_may_go``)."""
+        n = self.slot_free(cls, tenant, look)
+        for gate in (self.prefill_free, self.low_band_free, self.turn_free, self.pace_free):
+            if n <= 0:
+                return n  # (none free: what a caller reads, none of them counting below 0)
+            if (m := gate(cls, tenant)) is not None:
+                n = min(n, m)
+        return n
 
     def low_band(self, cls: int, tenant: str | None) -> bool:
         """Below the top band: a lower class, or a tenant already holding its fair share while another tenant is
@@ -636,7 +633,7 @@ class PoolQueue:
         gate = self.prefill_gate(cls, tenant)
         return None if gate is None else gate[1] - gate[0]
 
-    def slot_free(self, cls: int, tenant: str | None = None) -> int:
+    def slot_free(self, cls: int, tenant: str | None = None, look: dict | None = None) -> int:
         """Slots a ticket of class ``cls`` (of ``tenant``) may take now (interactive: its own SLO limit,
         within the fill limit; lower classes: the fill limit less the interactive reserve). A tenant
         already holding its fair share leaves ``tenant_headroom`` of the SLO limit free for the others."""
@@ -652,17 +649,18 @@ class PoolQueue:
                 headroom = state * h
         if cls == 0:
             free = slo - headroom - self.inflight_cls[0] - self.owed
-            return free if state != -1 else free + self._left_to_drain(tenant, slo, slo, slo - h, self.inflight_top)
+            return free if state != -1 else free + self._left_to_drain(tenant, slo, slo, slo - h, self.inflight_top, look)
         reserve = max(1, math.ceil(slo * self.reserve_fraction)) if self.reserve_fraction else 0
         free = max(1, fill - reserve - headroom) - self.inflight - self.owed
         return free if state != -1 else free + self._left_to_drain(
-            tenant, slo, max(1, fill - reserve), max(1, fill - reserve - h), self.inflight_tenant)
+            tenant, slo, max(1, fill - reserve), max(1, fill - reserve - h), self.inflight_tenant, look)
 
     def _headroom_slots(self, slo: int) -> int:
         """Slots of the SLO limit ``slo`` that a tenant holding its fair share leaves free (``tenant_headroom``)."""
         return max(1, math.ceil(slo * self.tenant_headroom)) if self.tenant_headroom else 0
 
-    def _left_to_drain(self, tenant: str | None, slo: int, limit: int, allowed: int, counts: dict[str, int]) -> int:
+    def _left_to_drain(self, tenant: str | None, slo: int, limit: int, allowed: int, counts: dict[str, int],
+                       look: dict | None = None) -> int:
         """The work (``counts``: in flight per tenant) of tenants over their share beyond what they may
         hold now: what a limit just cut, or other tenants' demand, leaves them to drain. A tenant under its
         share does not wait for it. What they may hold is the more of ``allowed`` (``limit`` less the
@@ -674,7 +672,25 @@ class PoolQueue:
         the heavy one held 6 while a quiet one held 2 and asked for a third: within the limit less the
         headroom, so the quiet request waited for the heavy tenant's answers to end, where its max-min
         share was 3 and the heavy one's 4.) Once the heavy tenant is back within its bound this is 0, and
-        the headroom beyond the limit is what bounds the quiet tenants."""
+        the headroom beyond the limit is what bounds the quiet tenants.
+
+        In one ``look`` (``_may_go``: the pool unchanged while it lasts) the tenants over their share are found
+        once, and the answer depends on ``tenant`` only through its demand and weight (its own entry in the
+        max-min shares; it is under its share, so not among those over it), so tenants alike share one pricing:
+        a release whose pump looked at 200 tenants with work queued, under priority scheduling with another
+        tenant decoding, cost ~24 ms pricing each (docs/benchmarks.md section 7, session 69)."""
+        if look is not None:
+            key: tuple = (id(counts), slo)
+            if (over_all := look.get(key)) is None:
+                over_all = look[key] = {u for u in counts if self.share_state(u, slo) == 1}
+            mine = tenant in over_all
+            if len(over_all) == mine:
+                return 0
+            demand = counts.get(tenant, 0) + sum(len(c.get(tenant, ())) for c in self.queues) if tenant else None
+            key = (id(counts), slo, limit, allowed, demand, self.weight_of(tenant) if tenant else None, mine)
+            if (left := look.get(key)) is None:
+                left = look[key] = self._left_to_drain(tenant, slo, limit, allowed, counts)
+            return left
         over = [(u, n) for u, n in counts.items() if u != tenant and self.share_state(u, slo) == 1]
         if not over:
             return 0
@@ -1455,17 +1471,22 @@ class PoolQueue:
         tenants' work beyond its max-min share), and so is one over its share with nobody else about (its
         turn, ``turn_free``). Priced per tenant, a release whose pump found no tenant
         that could go cost 600-650 us at 200 tenants with work queued; priced so, 280-300 us
-        (``benchmarks/admission_tenants.py``)."""
+        (``benchmarks/admission_tenants.py``). A tenant under its share shares the look's pricing of the heavy
+        tenants' work it does not wait for with the tenants of its demand and weight (``_left_to_drain``), and
+        ``free`` stops at the first gate that leaves no place: under priority scheduling with the heavy tenant
+        decoding, a release at 200 tenants cost ~24 ms with each priced on its own, 1.9 ms so (``--priority``;
+        docs/benchmarks.md section 7, session 69)."""
         slo = self.capacity.current()
         busy = sum(1 for n in self.inflight_tenant.values() if n > 0)
         since = self._now - OTHERS_RECENT_S
         recent = {u for u, seen in self.last_seen.items() if seen > since}
         memo: dict[tuple[int, bool], bool] = {}
+        look: dict = {}  # (the heavy tenants' work a tenant under its share does not wait for: ``_left_to_drain``)
 
         def may_go(tenant: str) -> bool:
             state = self.share_state(tenant, slo)
             if state == -1:
-                return self.free(cls, tenant) > 0
+                return self.free(cls, tenant, look) > 0
             others = busy - (self.inflight_tenant.get(tenant, 0) > 0) > 0 or len(recent) - (tenant in recent) > 0
             if state == 1 and not others:  # (its turn, ``turn_free``, is its own)
                 return self.free(cls, tenant) > 0
