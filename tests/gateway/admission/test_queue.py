@@ -10,11 +10,12 @@ from collections.abc import Callable
 
 import pytest
 
+from usefulwork.gateway.admission import queue as queue_mod
 from usefulwork.gateway.admission.capacity import Capacity, Sample
 from usefulwork.gateway.admission.config import AdmissionCfg
-from usefulwork.gateway.admission.queue import (OTHERS_RECENT_S, PACE_STEPS, PIECE_GAP_STEPS, RETRY_MARGIN_MAX_S,
-                                               SDK_RETRY_AFTER_MAX_S, TURN_PACE_PREFILLS, Decision, PoolQueue, Ticket,
-                                               retry_after_header)
+from usefulwork.gateway.admission.queue import (FILLS_POOL_PER_REPLICA, OTHERS_RECENT_S, PACE_STEPS, PIECE_GAP_STEPS,
+                                               RETRY_MARGIN_MAX_S, SDK_RETRY_AFTER_MAX_S, TURN_PACE_PREFILLS, Decision,
+                                               PoolQueue, Ticket, retry_after_header)
 
 SLO = (2.0, 0.1, 5.0)  # ttft, tpot, e2e (s)
 
@@ -297,7 +298,10 @@ def test_max_min_shares_are_water_filled_by_weight():
             assert all(demand[u] / weights[u] <= level + 1e-6 for u in shares if shares[u] >= demand[u] - 1e-9)
 
 
-def test_vllm_priority_puts_tenants_under_their_share_first_within_a_class():
+def test_vllm_priority_puts_tenants_under_their_share_first_within_a_class(monkeypatch):
+    # (a tenant holding three times b's one would fill the pool and go in the low band within its share too:
+    # ``_fills_pool``, its own test; off here)
+    monkeypatch.setattr(queue_mod, "FILLS_POOL_PER_REPLICA", 100)
     q = make_queue(limit=10, service_s=1.0)
     q.tenant_headroom = 0.1
     alone = ticket(0.0, "a")
@@ -338,6 +342,30 @@ def test_the_tenant_holding_the_most_takes_one_turn_of_the_top_band_prefills_at_
     b2, b3 = ticket(0.4, "b"), ticket(0.4, "b")
     assert q.offer(b2, 0.4).kind == "admit" and q.offer(b3, 0.4).kind == "admit"
     assert (b2.engine_priority, b3.engine_priority) == (0, 0)
+
+
+@pytest.mark.parametrize("case", ["fills", "alike", "few", "alone"])
+def test_a_tenant_filling_the_pool_sends_its_prompts_in_the_low_band_within_its_share_too(case):
+    """While another tenant is about, a tenant holding strictly more work in the pool than any other (per unit
+    of weight) and at least ``FILLS_POOL_PER_REPLICA`` requests per replica sends its interactive prompts in the
+    low band, in pieces (``_fills_pool``), though within its share and with none of its prompts pending: its
+    whole prompts, one per first token, kept a prefill in nearly every engine step, and a quiet tenant's prompt
+    shared one. Not two tenants alike, nor a tenant leading with fewer than that, nor a tenant alone."""
+    q = _priority_queue(3, limit=40)
+    held = {"fills": (1, FILLS_POOL_PER_REPLICA), "alike": (4, 4), "few": (1, FILLS_POOL_PER_REPLICA - 1),
+            "alone": (0, 4)}[case]
+    now = 0.0
+    for u, n in zip("ba", held):
+        for _ in range(n):
+            now += 0.01
+            t = ticket(now, u, deadline_s=50.0)
+            assert q.offer(t, now).kind == "admit" and t.engine_priority == 0
+            q.first_token(t, now + 0.005)  # (answered: decoding, nothing of its pending)
+    assert q.share_state("a", q.capacity.current()) == (0 if case == "alone" else -1)  # (within its share)
+    nxt = ticket(now + 0.01, "a", deadline_s=50.0)
+    assert q.offer(nxt, now + 0.01).kind == "admit"
+    assert (nxt.low_band, nxt.engine_priority) == ((True, 1) if case == "fills" else (False, 0))
+    assert q.low_band(0, "b") is False  # (the other tenant's prompts stay whole, in the top band)
 
 
 @pytest.mark.parametrize("others", ["lately", "long-gone", "about", "alone-dense"])
@@ -1926,7 +1954,7 @@ def test_a_callback_waits_for_the_top_bands_pending_prompts_and_no_longer():
     q.first_token(next(t for t in q.running if t.prefilling), 0.4)
     assert calls == ["now", "clear"]  # (called once)
     # a wait given up takes its callback back: it is not called, nor kept until the top band clears
-    pending = ticket(0.5, "a")
+    pending = ticket(0.5, "b")  # (a's would go in the low band: a holds three, b none, ``_fills_pool``)
     q.offer(pending, 0.5)
     forget = q.when_top_band_clear(lambda: calls.append("given up"))
     forget()
