@@ -1682,6 +1682,30 @@ def test_unary_prefill_place_is_deemed_free_after_its_expected_prefill():
     assert q.pending == 0 and cap.prefill_samples == 1
 
 
+def test_a_full_prefill_gates_places_free_when_the_step_carrying_the_pending_prompts_ends():
+    """The real CPU vLLM's late shed (session 69): a request came with a slot free and the prefill gate full, four
+    prompts pending at 0.79 s a prefill, three of them admitted before the step in progress ended (the last first
+    token seen) and so prefilled together in the next step. Its place frees when that step ends, 38.35 + 3 x 0.79
+    s, not one prefill time from now: the wait is 2.08 s, past what its budget allows, and it is told at once
+    rather than queued (priced one prefill apart, 0.79 s, it was queued and dropped at its latest start 1.85 s
+    later). The fourth pending prompt, admitted after that step began, frees its place one step later."""
+    q = make_queue(limit=8, service_s=12.0, slo=(2.0, 0.2, 20.0))
+    q.capacity.prefill_each, q.capacity.prefill_limit = 0.79, 4.0
+    first = ticket(37.508, deadline_s=5.6)
+    assert q.offer(first, 37.508).kind == "admit"
+    for at in (37.612, 38.220, 38.228):
+        assert q.offer(ticket(at, deadline_s=5.6), at).kind == "admit"
+    q.first_token(first, 38.35)  # (the step that prefilled it ends; the next takes the three)
+    assert q.offer(ticket(38.612, deadline_s=5.6), 38.612).kind == "admit"
+    late = ticket(38.656, deadline_s=5.6)
+    assert q.prefill_free(0) == 0 and q.slot_free(0) > 0  # (a slot free, the gate full)
+    each = q.capacity.prefill_time()
+    assert q.predict_wait(late, 38.656) == pytest.approx(38.35 + 3 * each - 38.656)
+    assert q._prefill_place_in(4, late, 38.656) == pytest.approx(38.35 + 4 * each - 38.656)
+    assert q.capacity.prefill_wait(1) < 0.75 * q.budget(late, 38.656) < q.predict_wait(late, 38.656)
+    assert q.offer(late, 38.656).kind == "shed"
+
+
 def test_first_tokens_timed_at_zero_seconds_set_no_prefill_limit():
     """A first token stamped at its admission's instant (a coarse clock, a virtual one) prices a prefill at 0 s:
     ten of them leave the prefill gate unset rather than dividing by that (it raised ZeroDivisionError)."""

@@ -285,6 +285,8 @@ class PoolQueue:
     _top_rate: float = 0.0  # top-band prompts offered per second, as of ``_top_seen`` (``_dense``)
     _top_rate_slow: float = 0.0  # ... over a longer time (``_turn_dense``)
     _paced: tuple[Any, list[float]] = (None, [])  # (key, ``_paced_since``'s answer) cache
+    _step_end_seen: float = -math.inf  # the last first token seen: an engine step's end (``_prefill_place_in``)
+    _frees: tuple[Any, list[float]] = (None, [])  # (key, when the pending prompts free their places) cache
     _piece_at: float = -math.inf  # when the last low-band piece went, or its place is taken for (``piece_wait``)
     _top_seen: float = -math.inf  # the last offer of top-band work (interactive, its tenant within its share)
     _on_top_clear: list[Callable[[], None]] = field(default_factory=list)  # ``when_top_band_clear``'s callbacks
@@ -812,7 +814,7 @@ class PoolQueue:
     def _place_wait(self, ahead: int, t: Ticket, now: float) -> float | None:
         """Seconds until the ``ahead``-th place (its own included) a ticket like ``t`` could take frees."""
         prefill = self.prefill_free(t.cls, t.tenant)
-        wait = 0.0 if prefill is None or ahead <= prefill else self.capacity.prefill_wait(ahead - prefill)
+        wait = 0.0 if prefill is None or ahead <= prefill else self._prefill_place_in(ahead - prefill, t, now)
         low = self.low_band_free(t.cls, t.tenant)
         if low is not None and ahead > low:  # low-band prompts go one after another: each a prefill's time
             wait = max(wait, self.capacity.prefill_wait((ahead - low) / self.low_band_prefills))
@@ -833,6 +835,54 @@ class PoolQueue:
         rate = self.drain_rate(t.cls)
         # One dispatch interval of headroom: slots free one at a time, not as a fluid.
         return None if not rate else max(wait, (position + 1) / rate)
+
+    def _prefill_place_in(self, position: int, t: Ticket, now: float) -> float:
+        """Seconds until the ``position``-th prefill place beyond the free ones frees for a ticket like ``t``: the
+        pending prompts the gate counts for it (``prefill_pending``) are answered in the engine's steps, each step
+        prefilling every prompt that waited at its start, as long as their prefills together (a compute-bound
+        prefill: the prefill time per prompt, over the replicas). The step in progress started at the last first
+        token seen (a step's end) and carries the prompts admitted before it; the next one starts at its end with
+        those admitted since, and so on; places free in clumps, at the steps' ends. Priced one prefill time apart
+        (``Capacity.prefill_wait``), a request that came with a slot free and the gate full (four prompts pending
+        on the real CPU vLLM, 0.78 s each) was queued on a wait of 0.79 s where the engine had put three of them in
+        one step: no place freed for 2.05 s, and it was dropped at its latest start, its 429 1.85 s after it came
+        (the sheds' p99 missed by one request: docs/benchmarks.md section 7, session 69). Places still to come
+        after the pending prompts' steps free one prefill time apart."""
+        each = self.capacity.prefill_time()
+        if not each:
+            return 0.0
+        each /= self.capacity.count()
+        kind = 0 if not self.capacity.priority_scheduling else 1 if self.low_band(t.cls, t.tenant) else 2
+        key = (self._run_ver, self.pending, kind, each)  # (the pending set changes with one of the first two)
+        if self._frees[0] == key:
+            frees = self._frees[1]
+        else:
+            frees = self._pending_frees(kind, each)
+            self._frees = (key, frees)
+        if position <= len(frees):
+            return max(0.0, frees[position - 1] - now)
+        return max(0.0, (frees[-1] if frees else now) - now) + (position - len(frees)) * each
+
+    def _pending_frees(self, kind: int, each: float) -> list[float]:
+        """When each pending prompt of ``kind`` (``_prefill_place_in``) frees its prefill place, sorted: a stream's
+        at the end of its step; a unary prompt's when it is deemed done (``_prefill_due``: its first token is not
+        seen, so that is when the gate opens for it)."""
+        def counted(u: Ticket) -> bool:  # (what the gate counts for that kind: ``prefill_pending``)
+            return u.prefilling and (kind == 0 or (kind == 1 and u.cls == 0) or (kind == 2 and not u.low_band))
+        pending = sorted(((u.admitted_at, u.stream) for u in self.running if counted(u)), key=lambda p: p[0])
+        at = [a for a, _ in pending]
+        frees = [due for due, _, u in self._prefill_due if counted(u)]
+        i, start = 0, max(self._step_end_seen, at[0]) if at else 0.0
+        while i < len(at):
+            j = bisect.bisect_right(at, start, lo=i)
+            if j == i:  # (nothing waited at that step's start: the next prompt starts its own)
+                start = at[i]
+                continue
+            end = start + (j - i) * each
+            frees += [end for _, stream in pending[i:j] if stream]
+            i, start = j, end
+        frees.sort()
+        return frees
 
     def _slot_free_in(self, position: int, now: float, free: int = 0) -> float:
         """When the ``position``-th slot beyond the ``free`` ones frees: each request in flight ends when
@@ -1736,6 +1786,7 @@ class PoolQueue:
         if not t.prefilling or t.state != "admitted":
             return []
         t.first_token_at = now
+        self._step_end_seen = max(self._step_end_seen, now)
         self._run_ver += 1
         self._end_prefill(t)
         if self.prefill_pending(t.cls, t.tenant) is not None:  # (a class the gate counts)
