@@ -385,19 +385,18 @@ class PoolQueue:
         tenant's served requests -2.3%; holding the most by 1, 2, 5 or 8 requests instead: 10, 10, 10 and 9 of
         seeds 1-12; twice any other's: 11. docs/benchmarks.md section 7, session 69.) Two tenants alike are not
         bound (neither holds strictly more), nor a tenant whose few requests lead by one."""
-        held = self.inflight_tenant.get(tenant, 0) - admitted
-        if held < FILLS_POOL_PER_REPLICA * self.capacity.count():
-            return False
-        mine = held / self.weight_of(tenant)
-        return all(n < mine * self.weight_of(u) for u, n in self.inflight_tenant.items() if u != tenant)
+        return (self.inflight_tenant.get(tenant, 0) - admitted >= FILLS_POOL_PER_REPLICA * self.capacity.count()
+                and self._holds_most(tenant, admitted, strictly=True))
 
-    def _holds_most(self, tenant: str, admitted: bool = False) -> bool:
+    def _holds_most(self, tenant: str, admitted: bool = False, strictly: bool = False) -> bool:
         """No other tenant has more work in the pool than ``tenant`` (per unit of weight): the turn binds the
         tenant that fills the steps, not a quiet one whose own second prompt came while its first was
         pending (held back for its first token, that prompt waited a prefill and a round trip more than
         beside it in one step). ``admitted``: the ticket asking is already counted in the pool (its
-        admission must find what its offer found)."""
+        admission must find what its offer found). ``strictly``: more than every other tenant."""
         mine = (self.inflight_tenant.get(tenant, 0) - admitted) / self.weight_of(tenant)
+        if strictly:
+            return all(n < mine * self.weight_of(u) for u, n in self.inflight_tenant.items() if u != tenant)
         return all(n <= mine * self.weight_of(u) for u, n in self.inflight_tenant.items() if u != tenant)
 
     def turn_free(self, cls: int, tenant: str | None = None) -> int | None:
