@@ -114,6 +114,7 @@ class Client:
 PRIORITY_MIX = (Client("interactive", "default", 0, 1.0), Client("batch", "default", 1, 3.0))
 FAIRNESS_MIX = (Client("heavy", "heavy", 0, 30.0), Client("q1", "q1", 0, 1.0), Client("q2", "q2", 0, 1.0),
                 Client("q3", "q3", 0, 1.0))
+QUIET = frozenset({"q1", "q2", "q3"})
 
 
 def arrivals(mix: tuple[Client, ...], rate: float, duration_s: float, seed: int) -> list[tuple[float, Client]]:
@@ -358,6 +359,15 @@ def priority_cell(seed: int, cfg: AdmissionCfg, host: Host = A100) -> dict[str, 
             "shed": loaded.shed}
 
 
+def fairness_alone(seed: int, cfg: AdmissionCfg, host: Host = A100) -> Result:
+    """The fairness cell's baseline: its quiet tenants' arrivals alone, after the priority cell (another
+    tenant's traffic at 2x overload, then its drain) on the same gateway, as the experiment runs them."""
+    baseline = only(arrivals(FAIRNESS_MIX, host.rate, host.fairness_s, seed), QUIET)
+    prio = arrivals(PRIORITY_MIX, host.rate, host.priority_s, seed)
+    return run(baseline, cfg, host.fairness_s, host=host, warm_tenant="default", before=prio,
+               before_s=host.priority_s + DRAIN_S)
+
+
 def fairness_cell(seed: int, cfg: AdmissionCfg, host: Host = A100) -> dict[str, Any]:
     """Each quiet tenant's TTFT p99 with the heavy one sending 30x, against the same arrivals alone, and
     Jain's index over the served tokens of the tenants that had a request shed (the experiment's
@@ -367,16 +377,15 @@ def fairness_cell(seed: int, cfg: AdmissionCfg, host: Host = A100) -> dict[str, 
     when the heavy one starts."""
     duration_s = host.fairness_s
     cell = arrivals(FAIRNESS_MIX, host.rate, duration_s, seed)
-    quiet = {"q1", "q2", "q3"}
-    baseline = only(cell, quiet)
+    baseline = only(cell, QUIET)
     prio, prio_s = arrivals(PRIORITY_MIX, host.rate, host.priority_s, seed), host.priority_s + DRAIN_S
     loaded = run(cell, cfg, duration_s, host=host, warm_tenant="default",
                  before=prio + [(prio_s + t, c) for t, c in baseline], before_s=prio_s + duration_s + DRAIN_S)
-    alone = run(baseline, cfg, duration_s, host=host, warm_tenant="default", before=prio, before_s=prio_s)
+    alone = fairness_alone(seed, cfg, host)
     backlogged = sorted(c for c, n in loaded.shed.items() if n)
     jain_b = jain([loaded.served.get(c, 0) for c in backlogged]) if len(backlogged) > 1 else None
     out = {}
-    for q in sorted(quiet):
+    for q in sorted(QUIET):
         p, b, f = loaded.p99(q), alone.p99(q), floor_p99(loaded, alone, q)
         out[q] = {"p99_s": p, "alone_p99_s": b, "ratio": p / b if p and b else None,
                   "floor_p99_s": f, "floor_ratio": f / b if f and b else None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import math
 import random
 from collections import deque
 from collections.abc import Callable
@@ -13,8 +14,8 @@ import pytest
 from usefulwork.gateway.admission import queue as queue_mod
 from usefulwork.gateway.admission.capacity import Capacity, Sample
 from usefulwork.gateway.admission.config import AdmissionCfg
-from usefulwork.gateway.admission.queue import (FILLS_POOL_PER_REPLICA, OTHERS_RECENT_S, PACE_STEPS, PIECE_GAP_STEPS,
-                                               RETRY_MARGIN_MAX_S, SDK_RETRY_AFTER_MAX_S, TURN_PACE_PREFILLS, Decision,
+from usefulwork.gateway.admission.queue import (FILLS_POOL_PER_REPLICA, FILLS_POOL_SHARE, OTHERS_RECENT_S, PACE_STEPS,
+                                               PIECE_GAP_STEPS, RETRY_MARGIN_MAX_S, SDK_RETRY_AFTER_MAX_S, TURN_PACE_PREFILLS, Decision,
                                                PoolQueue, Ticket, retry_after_header)
 
 SLO = (2.0, 0.1, 5.0)  # ttft, tpot, e2e (s)
@@ -344,16 +345,20 @@ def test_the_tenant_holding_the_most_takes_one_turn_of_the_top_band_prefills_at_
     assert (b2.engine_priority, b3.engine_priority) == (0, 0)
 
 
-@pytest.mark.parametrize("case", ["fills", "alike", "few", "alone"])
+@pytest.mark.parametrize("case", ["fills", "alike", "few", "under-half-its-share", "alone"])
 def test_a_tenant_filling_the_pool_sends_its_prompts_in_the_low_band_within_its_share_too(case):
     """While another tenant is about, a tenant holding strictly more work in the pool than any other (per unit
-    of weight) and at least ``FILLS_POOL_PER_REPLICA`` requests per replica sends its interactive prompts in the
-    low band, in pieces (``_fills_pool``), though within its share and with none of its prompts pending: its
-    whole prompts, one per first token, kept a prefill in nearly every engine step, and a quiet tenant's prompt
-    shared one. Not two tenants alike, nor a tenant leading with fewer than that, nor a tenant alone."""
+    of weight), at least ``FILLS_POOL_PER_REPLICA`` requests per replica and at least ``FILLS_POOL_SHARE`` of its
+    fair share of the SLO limit sends its interactive prompts in the low band, in pieces (``_fills_pool``),
+    though within its share and with none of its prompts pending: its whole prompts, one per first token, kept a
+    prefill in nearly every engine step, and a quiet tenant's prompt shared one. Not two tenants alike, nor a
+    tenant leading with fewer than that (three requests of a pool of 40: a quiet tenant beside other quiet ones,
+    whose prompts went in pieces for nobody), nor a tenant alone."""
     q = _priority_queue(3, limit=40)
-    held = {"fills": (1, FILLS_POOL_PER_REPLICA), "alike": (4, 4), "few": (1, FILLS_POOL_PER_REPLICA - 1),
-            "alone": (0, 4)}[case]
+    half = math.ceil(FILLS_POOL_SHARE * 40 / 2)  # (two tenants active: a fair share of 20 places each)
+    assert half > FILLS_POOL_PER_REPLICA
+    held = {"fills": (1, half), "alike": (4, 4), "few": (1, FILLS_POOL_PER_REPLICA - 1),
+            "under-half-its-share": (1, half - 1), "alone": (0, 4)}[case]
     now = 0.0
     for u, n in zip("ba", held):
         for _ in range(n):
