@@ -395,9 +395,10 @@ class PoolQueue:
         held = self.inflight_tenant.get(tenant, 0) - admitted
         if held < FILLS_POOL_PER_REPLICA * self.capacity.count():
             return False
+        if not self._holds_most(tenant, admitted, strictly=True):
+            return False  # (one tenant at most passes this: the share is priced for it alone)
         share = self.fair_slots(tenant, self.capacity.current())
-        return (share is not None and held >= FILLS_POOL_SHARE * share
-                and self._holds_most(tenant, admitted, strictly=True))
+        return share is not None and held >= FILLS_POOL_SHARE * share
 
     def _holds_most(self, tenant: str, admitted: bool = False, strictly: bool = False) -> bool:
         """No other tenant has more work in the pool than ``tenant`` (per unit of weight): the turn binds the
