@@ -193,8 +193,8 @@ def test_quiet_tenants_prompts_do_not_share_their_step_with_a_tenant_filling_the
     under it (each time an answer of its ends) its whole prompts, one per first token, kept a prefill in nearly
     every engine step; a quiet prompt then waited for that step and shared the next with the heavy tenant's next
     prompt. Holding strictly the most, three requests a replica and half its fair share, the heavy tenant sends
-    every prompt in the low band, in pieces (``PoolQueue._fills_pool``): the quiet tenants' TTFT p99 is within 1.2x of theirs alone, where
-    with the rule off it was not, and the heavy tenant is served nearly as much."""
+    every prompt in the low band, in pieces (``PoolQueue._fills_pool``): the quiet tenants' TTFT p99 is within
+    1.2x of theirs alone, where with the rule off it was not, and the heavy tenant is served nearly as much."""
     from usefulwork.gateway.admission.queue import PoolQueue
 
     cfg = AdmissionCfg(low_band_prefill_chunk=64, low_band_prefills=3)

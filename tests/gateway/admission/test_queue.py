@@ -15,8 +15,8 @@ from usefulwork.gateway.admission import queue as queue_mod
 from usefulwork.gateway.admission.capacity import Capacity, Sample
 from usefulwork.gateway.admission.config import AdmissionCfg
 from usefulwork.gateway.admission.queue import (FILLS_POOL_PER_REPLICA, FILLS_POOL_SHARE, OTHERS_RECENT_S, PACE_STEPS,
-                                               PIECE_GAP_STEPS, RETRY_MARGIN_MAX_S, SDK_RETRY_AFTER_MAX_S, TURN_PACE_PREFILLS, Decision,
-                                               PoolQueue, Ticket, retry_after_header)
+                                               PIECE_GAP_STEPS, RETRY_MARGIN_MAX_S, SDK_RETRY_AFTER_MAX_S,
+                                               TURN_PACE_PREFILLS, Decision, PoolQueue, Ticket, retry_after_header)
 
 SLO = (2.0, 0.1, 5.0)  # ttft, tpot, e2e (s)
 
