@@ -15,7 +15,7 @@ from usefulwork.gateway.admission import queue as queue_mod
 from usefulwork.gateway.admission.capacity import Capacity, Sample
 from usefulwork.gateway.admission.config import AdmissionCfg
 from usefulwork.gateway.admission.queue import (FILLS_POOL_PER_REPLICA, FILLS_POOL_SHARE, OTHERS_RECENT_S, PACE_STEPS,
-                                               PIECE_GAP_STEPS, RETRY_MARGIN_MAX_S, SDK_RETRY_AFTER_MAX_S,
+                                               PIECE_GAP_STEPS, RETRY_MARGIN_MAX_S, RETURN_GAPS, SDK_RETRY_AFTER_MAX_S,
                                                TURN_PACE_PREFILLS, Decision, PoolQueue, Ticket, retry_after_header)
 
 SLO = (2.0, 0.1, 5.0)  # ttft, tpot, e2e (s)
@@ -1960,6 +1960,30 @@ def test_a_tenant_over_its_fair_share_is_low_band_while_a_quiet_tenant_is_about(
     paced = later + TURN_PACE_PREFILLS * q.capacity.prefill_time()
     assert q.next_turn_due() == pytest.approx(paced)
     assert q.pump(paced + 1e-6) == [late[1]] and not late[1].low_band
+
+
+@pytest.mark.parametrize("gap_s", [0.1, 2.0])
+def test_a_tenant_whose_work_only_drains_is_not_about(gap_s):
+    """A tenant with work in the pool but no offer for ``OTHERS_RECENT_S`` is still about while that is under
+    ``RETURN_GAPS`` of its own gaps between offers (a quiet tenant between two requests: a tenant filling the pool
+    sends its prompts in the low band), not once it is past them (a burst that ended, its answers draining: nobody
+    left to protect, and the tenant alone kept its prompts whole). Four offers ``gap_s`` apart, then another
+    tenant's six prompts ``OTHERS_RECENT_S`` + 0.5 s after the last: it holds five, strictly the most and half its
+    share of the limit (``_fills_pool``)."""
+    q = _priority_queue(1, limit=20)
+    first = [ticket(i * gap_s, "first", deadline_s=100) for i in range(4)]
+    for t in first:
+        assert q.offer(t, t.arrival).kind == "admit"
+        q.first_token(t, t.arrival + 0.005)
+    start = first[-1].arrival + OTHERS_RECENT_S + 0.5
+    assert start - first[-1].arrival < RETURN_GAPS * 2.0 and start - first[-1].arrival > RETURN_GAPS * 0.1
+    lone = [ticket(start + 0.01 * i, "lone", deadline_s=100) for i in range(6)]
+    for t in lone:
+        assert q.offer(t, t.arrival).kind == "admit"
+        q.first_token(t, t.arrival + 0.005)
+    about = gap_s == 2.0
+    assert q._others_in_pool("lone") is about
+    assert [t.low_band for t in lone] == [False] * 5 + [about]
 
 
 def test_a_callback_waits_for_the_top_bands_pending_prompts_and_no_longer():

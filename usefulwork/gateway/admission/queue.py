@@ -114,6 +114,10 @@ RETRY_MARGIN_MAX_S = 2.0
 # (or has some in flight): about a quiet tenant's gap between two requests; longer held the heavy tenant's own
 # burst for up to the fair share's whole horizon after the others had gone (``low_band_free``).
 OTHERS_RECENT_S = 5.0
+# ... or has work in flight and sent its last within this many of its own gaps between offers (their running mean,
+# weight GAP_EWMA a gap): a burst that ended, its answers draining, is not about (``_about``).
+RETURN_GAPS = 10.0
+GAP_EWMA = 0.2
 # While no other tenant is about, the tenant holding the most (or a tenant alone) sends its next top-band prompt
 # this far (in prefill times) after the one before it: by then that one is in its engine step, and the next lands
 # in vLLM's queue for the step after (``turn_free``).
@@ -279,6 +283,7 @@ class PoolQueue:
     inflight_tenant: dict[str, int] = field(default_factory=dict)
     inflight_top: dict[str, int] = field(default_factory=dict)  # the same, interactive only (``_left_to_drain``)
     last_seen: dict[str, float] = field(default_factory=dict)  # tenant -> its last request's arrival
+    gap: dict[str, float] = field(default_factory=dict)  # tenant -> its offers' mean gap (``_about``)
     pending: int = 0  # prefills admitted and not yet answered (first token not seen), all classes
     pending_inter: int = 0  # of those, interactive
     pending_low: int = 0  # of those, low band (``Ticket.low_band``)
@@ -591,13 +596,28 @@ class PoolQueue:
         return now - self._top_seen < self.tenant_active_s
 
     def _others_in_pool(self, tenant: str) -> bool:
-        """Another tenant has work in the pool, or sent some in the last ``OTHERS_RECENT_S``: a quiet tenant
-        between two requests is still about (counting work in flight alone let the heavy tenant fill the
-        steps whenever the quiet ones had none, and their next prompt met several of its prompts)."""
-        if any(n > 0 for u, n in self.inflight_tenant.items() if u != tenant):
+        """Another tenant is about (``_about``)."""
+        return any(self._about(u) for u in itertools.chain(self.last_seen, self.inflight_tenant) if u != tenant)
+
+    def _about(self, u: str) -> bool:
+        """Tenant ``u`` sent work in the last ``OTHERS_RECENT_S``, or has some in the pool and sent its last within
+        ``RETURN_GAPS`` of its gaps between offers (``gap``): a quiet tenant between two requests is still about
+        (counting only what it sent lately let the heavy tenant fill the steps whenever the quiet ones had
+        none, and their next prompt met several of its prompts; on a CPU vLLM, where a quiet tenant's requests
+        come tens of seconds apart, its work in flight is what keeps it about). A tenant whose offers stopped,
+        its work only draining, is not: nobody is left to protect. Counted about while any of its work was
+        in flight, the retrying clients' answers draining into the priority cell's unloaded baseline bound
+        the interactive tenant there as one filling the pool (``_fills_pool``), and its prompt went in pieces
+        for nobody (virtual clock, session 70's probed CPU host, seeds 4 / 9: unloaded interactive TTFT p99
+        1.124 / 1.635 s, 0.497 / 0.528 s so, seeds 1-24 mean 0.566 -> 0.493 s; the fairness cell alike to the
+        digit there and on the simulated A100; three gaps instead of ten: the probed fairness cell's quiet
+        tenants worse in two seeds, better in two. docs/benchmarks.md section 7, session 71)."""
+        seen = self.last_seen.get(u)
+        if seen is not None and self._now - seen < OTHERS_RECENT_S:
             return True
-        since = self._now - OTHERS_RECENT_S
-        return any(seen > since for u, seen in self.last_seen.items() if u != tenant)
+        if not self.inflight_tenant.get(u):
+            return False
+        return seen is None or self._now - seen < RETURN_GAPS * self.gap.get(u, math.inf)
 
     def top_band_pending(self) -> bool:
         """A top-band prompt is admitted and its first token not seen yet (under priority scheduling)."""
@@ -784,6 +804,7 @@ class PoolQueue:
             stale = [u for u, seen in self.last_seen.items() if seen < horizon and not self.inflight_tenant.get(u)]
             for u in stale:
                 del self.last_seen[u]
+                self.gap.pop(u, None)
             self._active = (now, sum(self.weight_of(u) for u in self.last_seen))
         total = self._active[1]
         w = self.weight_of(tenant)
@@ -983,8 +1004,11 @@ class PoolQueue:
         self._now = now
         self._prefills_due(now)
         self.capacity.judge_live(now, self.inflight)
-        if self.last_seen.get(t.tenant) is None:
+        if (prev := self.last_seen.get(t.tenant)) is None:
             self._active = (math.nan, 0.0)  # a new active tenant: the shares change
+        else:
+            g = self.gap.get(t.tenant)
+            self.gap[t.tenant] = now - prev if g is None else g + GAP_EWMA * (now - prev - g)
         self.last_seen[t.tenant] = now
         if t.cls == 0 and self.low_band_prefills and self.capacity.priority_scheduling and not self.low_band(0, t.tenant):
             self._top_rate = self._rate_now(self._top_rate, PACE_RATE_TAU_S) + 1.0 / PACE_RATE_TAU_S
@@ -1571,9 +1595,7 @@ class PoolQueue:
         decoding, a release at 200 tenants cost ~24 ms with each priced on its own, 1.9 ms so (``--priority``;
         docs/benchmarks.md section 7, session 69)."""
         slo = self.capacity.current()
-        busy = sum(1 for n in self.inflight_tenant.values() if n > 0)
-        since = self._now - OTHERS_RECENT_S
-        recent = {u for u, seen in self.last_seen.items() if seen > since}
+        about = {u for u in itertools.chain(self.last_seen, self.inflight_tenant) if self._about(u)}
         memo: dict[tuple[int, bool], bool] = {}
         look: dict = {}  # (the heavy tenants' work a tenant under its share does not wait for: ``_left_to_drain``)
 
@@ -1581,7 +1603,7 @@ class PoolQueue:
             state = self.share_state(tenant, slo)
             if state == -1:
                 return self.free(cls, tenant, look) > 0
-            others = busy - (self.inflight_tenant.get(tenant, 0) > 0) > 0 or len(recent) - (tenant in recent) > 0
+            others = len(about) - (tenant in about) > 0
             if state == 1 and not others:  # (its turn, ``turn_free``, is its own)
                 return self.free(cls, tenant) > 0
             key = (state, others)
