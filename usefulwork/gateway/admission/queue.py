@@ -1595,7 +1595,7 @@ class PoolQueue:
         decoding, a release at 200 tenants cost ~24 ms with each priced on its own, 1.9 ms so (``--priority``;
         docs/benchmarks.md section 7, session 69)."""
         slo = self.capacity.current()
-        about = {u for u in itertools.chain(self.last_seen, self.inflight_tenant) if self._about(u)}
+        about = {u for u in self.last_seen.keys() | self.inflight_tenant.keys() if self._about(u)}  # (each tenant once)
         memo: dict[tuple[int, bool], bool] = {}
         look: dict = {}  # (the heavy tenants' work a tenant under its share does not wait for: ``_left_to_drain``)
 
